@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean install
+
+install: $(STAMP)
+
+# torch and torchvision are pinned to the releases this machine keeps on disk
+# (plain pip finds them there; a newer release would download a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check fxpipe passes tests examples
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python examples/benchmarks/executor_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
