@@ -1,0 +1,37 @@
+"""fxpipe: a torch.fx compiler for pipeline parallelism.
+
+``fxpipe.compile(model, plan)`` traces the model, assigns every node a stage (from
+``device_guard`` tags, split points or a cost model), cuts the graph with explicit
+send/recv edges, emits one GraphModule per stage and runs them on a GPipe, 1F1B or
+interleaved-1F1B schedule.
+"""
+
+from fxpipe.compiler import CompileError, compile, partition
+from fxpipe.devices import DeviceError
+from fxpipe.executor import PipelineError
+from fxpipe.guard import device_guard
+from fxpipe.microbatch import MicrobatchError
+from fxpipe.partitioned import Partitioned
+from fxpipe.pipeline import Pipeline
+from fxpipe.plan import DeviceSpec, Plan, PlanError
+from fxpipe.stage import Stage
+from passes.annotate import AnnotateError
+from passes.trace import TraceError
+
+__all__ = [
+    "AnnotateError",
+    "CompileError",
+    "DeviceError",
+    "DeviceSpec",
+    "MicrobatchError",
+    "Partitioned",
+    "Pipeline",
+    "PipelineError",
+    "Plan",
+    "PlanError",
+    "Stage",
+    "TraceError",
+    "compile",
+    "device_guard",
+    "partition",
+]

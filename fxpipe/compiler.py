@@ -1,0 +1,176 @@
+"""``fxpipe.partition`` and ``fxpipe.compile``: the passes in order, then placement."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from fxpipe.devices import check_available, default_devices
+from fxpipe.partitioned import Partitioned
+from fxpipe.plan import Plan, PlanError
+from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
+from fxpipe.stage import Stage
+from passes import annotate as annotate_pass
+from passes.codegen import build_stage_module, stage_graph
+from passes.partition import partition as partition_pass
+from passes.shape_prop import propagate_shapes
+from passes.trace import trace
+
+
+class CompileError(ValueError):
+    """A plan the compiler cannot honour for this model; the message names the culprit."""
+
+
+def _resolver(model: nn.Module, fallback: nn.Module):
+    """Fetch a module/parameter/buffer by qualified name from the user's model first."""
+
+    def lookup(root: nn.Module, target: str) -> Any:
+        obj: Any = root
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def resolve(target: str) -> Any:
+        try:
+            return lookup(model, target)
+        except AttributeError:
+            return lookup(fallback, target)
+
+    return resolve
+
+
+def _stage_devices(plan: Plan, num_stages: int, tag_devices: list[str] | None, how: str) -> list[str]:
+    devices = plan.devices
+    if devices is None:
+        return list(tag_devices) if tag_devices else default_devices(num_stages)
+    if len(devices) == num_stages:
+        return list(devices)
+    if plan.chunks > 1 and len(devices) * plan.chunks == num_stages:
+        return [devices[s % len(devices)] for s in range(num_stages)]
+    per = f" × chunks={plan.chunks}" if plan.chunks > 1 else ""
+    raise PlanError(
+        f"plan.devices lists {len(devices)} device(s){per} but {how} gives {num_stages} stage(s); "
+        f"list one device per stage (or per worker with chunks), e.g. devices={default_devices(num_stages)}"
+    )
+
+
+def _annotate(graph, plan: Plan, model: nn.Module) -> tuple[annotate_pass.StageAssignment, str]:
+    if isinstance(plan.split, list):
+        known = {name for name, _ in model.named_modules()}
+        return annotate_pass.annotate_by_split_points(graph, plan.split, known), f"plan.split={plan.split}"
+    if plan.split == "auto":
+        if plan.devices is None:
+            raise PlanError("split='auto' needs plan.devices: the devices to spread the model over")
+        return annotate_pass.annotate_evenly(graph, len(plan.devices) * plan.chunks), "split='auto'"
+    if annotate_pass.has_tags(graph):
+        return annotate_pass.annotate_by_tags(graph), "the device_guard tags"
+    if plan.devices is not None and len(plan.devices) * plan.chunks > 1:
+        raise PlanError(
+            f"split='tags' but {type(model).__name__}.forward has no fxpipe.device_guard blocks, so it "
+            f"cannot fill the {len(plan.devices)} devices in plan.devices; tag forward with "
+            "fxpipe.device_guard, or use Plan(split=['module.path', ...]) or Plan(split='auto')"
+        )
+    return annotate_pass.single_stage(graph), "no tags (one stage)"
+
+
+def partition(
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any] | None = None,
+    example_inputs: tuple | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> Partitioned:
+    """Run the compiler passes (trace, shape propagation, annotate, partition, codegen).
+
+    Nothing is moved or copied: a plan naming ``cuda:0`` can be made and inspected on a
+    machine without a GPU. Returns a :class:`Partitioned`. Raises TraceError when the
+    model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
+    honoured (the message names the field, node or module at fault).
+    """
+    plan = Plan.coerce(plan)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
+    gm = traced.graph_module
+    resolve = _resolver(model, traced.root)
+    propagate_shapes(gm, traced.bind_inputs(example_inputs, kwargs), resolve)
+    assignment, how = _annotate(gm.graph, plan, model)
+    annotate_pass.check_monotone(gm.graph)
+    devices = _stage_devices(plan, assignment.num_stages, assignment.tag_devices, how)
+    if plan.schedule == "interleaved-1f1b" and assignment.num_stages % plan.chunks:
+        raise PlanError(f"{how} gives {assignment.num_stages} stages, not a multiple of plan.chunks={plan.chunks}")
+    cut = partition_pass(gm.graph, assignment.num_stages)
+    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    stages = []
+    for s in range(assignment.num_stages):
+        graph = stage_graph(cut, s)
+        extra = _unused_state(model, used) if s == 0 else {}
+        module = build_stage_module(graph, resolve, extra, f"Stage{s}")
+        paths = [n.meta.get("module_path", "") for n in graph.nodes if n.op in annotate_pass.COMPUTE_OPS]
+        inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: _num_model_inputs(gm) if s == 0 else 0]
+        stages.append(Stage(s, devices[s], module, cut.recv_edges(s), cut.send_edges(s), assignment.reasons[s], inputs, paths))
+    _check_schedule(plan, cut)
+    return Partitioned(
+        plan, type(model).__name__, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
+        example_inputs, kwargs, list(traced.notes),
+    )
+
+
+def _num_model_inputs(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
+    """Parameters and buffers no node touches: they live in stage 0 so nothing is dropped."""
+    covered = set()
+    for target in used:
+        covered.add(target)
+    extra = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if any(name == t or name.startswith(t + ".") for t in covered):
+            continue
+        extra[name] = tensor
+    return extra
+
+
+def _check_schedule(plan: Plan, cut) -> None:
+    deps = sorted({(e.src, e.dst) for e in cut.edges})
+    try:
+        actions = make_schedule(plan.schedule, cut.num_stages, plan.microbatches, plan.chunks)
+        check_schedule(actions, cut.num_stages, plan.microbatches, deps=deps)
+    except ScheduleError as err:
+        raise PlanError(f"plan.schedule={plan.schedule!r}: {err}") from err
+
+
+def compile(  # noqa: A001 - the public name is fxpipe.compile
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any] | None = None,
+    example_inputs: tuple | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Any = None,
+):
+    """Partition ``model`` per ``plan``, place each stage on its device, return a Pipeline.
+
+    ``pipe(x)`` equals ``model(x)``; ``pipe.step(x, target=t)`` runs one forward+backward
+    on the plan's schedule, returning the loss and accumulating every parameter's
+    ``.grad`` as eager ``loss_fn(model(x), t).backward()`` does. The user's model is not
+    modified. Raises what :func:`partition` raises, and DeviceError when a stage's device
+    is not present on this machine.
+    """
+    from fxpipe.pipeline import Pipeline
+
+    plan = Plan.coerce(plan)
+    part = partition(model, plan, example_inputs, example_kwargs)
+    for stage in part.stages:
+        check_available(stage.device, f"plan.devices[{stage.index}]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return Pipeline(part, model, loss_fn)
+
+
+__all__ = ["CompileError", "compile", "partition"]

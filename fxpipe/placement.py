@@ -1,0 +1,98 @@
+"""Placement: copy each stage's modules onto its device, keeping tied weights tied.
+
+Stages on the same torch device share one copy of any parameter they both use (one
+``copy.deepcopy`` memo per device), so autograd sums the uses' gradients exactly as
+eager does. A parameter used by stages on different devices is held once per device:
+the copy in the earliest stage is the *primary* (the one ``pipe.parameters()`` lists and
+the optimizer updates); before each run the others are refreshed from it, and after
+backward their gradients are added into the primary's. The user's model is never
+modified or moved.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+
+@dataclass
+class TiedGroup:
+    """One original parameter (or buffer) held on several devices."""
+
+    name: str
+    primary: torch.Tensor
+    replicas: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Placement:
+    """Stage modules on their devices and where every original name lives."""
+
+    modules: list[fx.GraphModule]
+    params: dict[str, nn.Parameter]  # canonical name -> primary parameter
+    state: dict[str, torch.Tensor]  # every state_dict key -> its tensor (primary copy)
+    tied: list[TiedGroup]
+
+    def sync_replicas(self) -> None:
+        """Copy each primary's values into its replicas on other devices."""
+        with torch.no_grad():
+            for group in self.tied:
+                for replica in group.replicas:
+                    replica.copy_(group.primary, non_blocking=True)
+
+    def reduce_replica_grads(self) -> None:
+        """Add replicas' gradients into the primary's and clear them."""
+        for group in self.tied:
+            for replica in group.replicas:
+                if replica.grad is None:
+                    continue
+                grad = replica.grad.to(group.primary.device)
+                if group.primary.grad is None:
+                    group.primary.grad = grad.clone()
+                else:
+                    group.primary.grad.add_(grad)
+                replica.grad = None
+
+
+def alias_groups(model: nn.Module) -> dict[str, list[str]]:
+    """For every parameter/buffer name of ``model``, all names of that same tensor, first first."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        by_id[id(tensor)].append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def place(modules: list[fx.GraphModule], devices: list[torch.device], model: nn.Module) -> Placement:
+    """Copy stage modules to their devices and map the model's names onto the copies."""
+    memos: dict[torch.device, dict] = defaultdict(dict)
+    placed: list[fx.GraphModule] = []
+    for module, device in zip(modules, devices):
+        clone = copy.deepcopy(module, memos[device])
+        placed.append(clone.to(device))
+    aliases = alias_groups(model)
+    # every tensor each stage holds, under the model's names
+    copies: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for clone in placed:
+        seen: set[int] = set()
+        for name, tensor in list(clone.named_parameters(remove_duplicate=False)) + list(clone.named_buffers(remove_duplicate=False)):
+            canonical = aliases.get(name, [name])[0]
+            if id(tensor) in seen or any(t is tensor for t in copies[canonical]):
+                continue
+            seen.add(id(tensor))
+            copies[canonical].append(tensor)
+    tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
+    params: dict[str, nn.Parameter] = {}
+    for name, _ in model.named_parameters():
+        if name in copies:
+            params[name] = copies[name][0]
+    state: dict[str, torch.Tensor] = {}
+    for key in model.state_dict(keep_vars=True):
+        canonical = aliases.get(key, [key])[0]
+        if canonical in copies:
+            state[key] = copies[canonical][0]
+    return Placement(placed, params, state, tied)

@@ -1,0 +1,114 @@
+"""``Plan``: the user's intent in one dataclass. Passes read the fields they need."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxpipe.devices import normalize_device
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
+FRONTENDS = ("auto", "fx", "export")
+
+
+class PlanError(ValueError):
+    """A plan the compiler cannot honour; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the cost model assumes of a device, in SI units.
+
+    flops: sustained FLOP/s; memory: bytes usable for parameters, gradients, optimizer
+    state and activations; bandwidth: bytes/s to and from the other devices;
+    latency: fixed seconds every send/recv and every action pays.
+    """
+
+    flops: float
+    memory: float
+    bandwidth: float
+    latency: float = 20e-6
+
+
+@dataclass
+class Plan:
+    """How to cut and run a model. A dict with the same keys is accepted wherever a Plan is.
+
+    devices: device of each stage in pipeline order ("cpu", "cpu:N", "cuda:N", "gpu:N");
+        with ``chunks`` > 1 it may instead list one device per pipeline worker (stage s
+        then runs on devices[s % len(devices)]). Omitted: taken from device_guard tags,
+        or one logical device per stage.
+    split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
+        a new stage begins at the first node of each listed module.
+    schedule: "gpipe" | "1f1b" | "interleaved-1f1b".
+    microbatches: the batch (dim 0) is cut into this many micro-batches.
+    chunks: stages per device for interleaved schedules.
+    checkpoint: recompute each stage's activations in backward instead of keeping them.
+    device_specs: DeviceSpec per device name for the cost model.
+    data_parallel: pipeline replicas (distributed runs only).
+    frontend: "auto" (torch.fx, falling back to torch.export), "fx" or "export".
+    leaf_modules: module classes or qualified names the fx tracer keeps as single calls.
+    concrete_args: forward arguments fixed while tracing with fx (torch.fx semantics).
+    """
+
+    devices: Sequence[str] | None = None
+    split: str | Sequence[str] = "tags"
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    chunks: int = 1
+    checkpoint: bool = False
+    device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
+    data_parallel: int = 1
+    frontend: str = "auto"
+    leaf_modules: Sequence[Any] = ()
+    concrete_args: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices is not None:
+            if isinstance(self.devices, str):
+                raise PlanError(f"plan.devices must be a list of device names, got the string {self.devices!r}; write [{self.devices!r}]")
+            self.devices = [normalize_device(d, f"plan.devices[{i}]") for i, d in enumerate(self.devices)]
+            if not self.devices:
+                raise PlanError("plan.devices is empty; give one device per stage, e.g. ['cpu:0', 'cpu:1']")
+        if isinstance(self.split, str):
+            if self.split not in ("tags", "auto"):
+                raise PlanError(f"plan.split = {self.split!r}: use 'tags', 'auto' or a list of module paths such as ['layer3']")
+        else:
+            self.split = list(self.split)
+            if not all(isinstance(s, str) and s for s in self.split):
+                raise PlanError(f"plan.split must list module paths as strings, got {self.split!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+        for name in ("microbatches", "chunks", "data_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"plan.{name} = {value!r}: must be a positive integer")
+        if self.chunks > 1 and self.schedule != "interleaved-1f1b":
+            raise PlanError(f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (got {self.schedule!r})")
+        if self.frontend not in FRONTENDS:
+            raise PlanError(f"plan.frontend = {self.frontend!r}: choose one of {', '.join(FRONTENDS)}")
+        self.device_specs = {normalize_device(k, f"plan.device_specs[{k!r}]"): v for k, v in dict(self.device_specs).items()}
+        for key, spec in self.device_specs.items():
+            if not isinstance(spec, DeviceSpec):
+                raise PlanError(f"plan.device_specs[{key!r}] must be an fxpipe.DeviceSpec, got {type(spec).__name__}")
+
+    @classmethod
+    def coerce(cls, plan: Plan | Mapping[str, Any] | None) -> Plan:
+        """A Plan from a Plan, a dict with Plan's keys, or None (all defaults)."""
+        if plan is None:
+            return cls()
+        if isinstance(plan, Plan):
+            return plan
+        if isinstance(plan, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(plan) - known)
+            if unknown:
+                raise PlanError(f"unknown plan field(s) {unknown}; Plan has {sorted(known)}")
+            return cls(**plan)
+        raise PlanError(f"expected an fxpipe.Plan or a dict, got {type(plan).__name__}")
+
+    def replace(self, **changes: Any) -> Plan:
+        """A copy of this plan with some fields changed."""
+        return dataclasses.replace(self, **changes)

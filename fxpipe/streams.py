@@ -1,0 +1,70 @@
+"""Device plumbing for workers: one CUDA stream per worker, events on hand-offs.
+
+On the CPU everything here is a no-op. On CUDA a worker runs its actions on its own
+stream; a value handed to another worker carries an event recorded on the producer's
+stream, and the consumer makes its stream (and the source device's current stream,
+which cross-device copies use) wait on that event before reading it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class WorkerStream:
+    """The stream a worker runs on (None on the CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+
+    def record(self) -> Any:
+        """An event marking the work queued so far (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def receive(self, value: Any, event: Any) -> Any:
+        """Make ``value`` (produced elsewhere) safe to use on this worker's stream."""
+        if event is None:
+            return value
+        if self.stream is not None:
+            self.stream.wait_event(event)
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                torch.cuda.current_stream(leaf.device).wait_event(event)
+                if self.stream is not None and leaf.device == self.device:
+                    leaf.record_stream(self.stream)
+        return value
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def move(value: Any, device: torch.device, detach: bool) -> Any:
+    """Tensors in ``value`` moved to ``device``; with ``detach``, as fresh autograd leaves
+    that require grad exactly when the source did (the boundary of a stage's backward)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not detach:
+            return t.to(device, non_blocking=True)
+        out = t.detach().to(device, non_blocking=True)
+        return out.requires_grad_(t.requires_grad)
+
+    return pytree.tree_map_only(torch.Tensor, one, value)

@@ -1,0 +1,200 @@
+"""Annotate pass: every node gets the pipeline stage that will run it.
+
+Reads ``node.meta["custom"]["fxpipe_device"]`` (device_guard tags) and
+``node.meta["module_path"]`` (written by the trace pass).
+Writes ``node.meta["stage"]`` (int, 0-based, non-decreasing along every edge) and
+``node.meta["stage_reason"]`` (why the node is there, for ``explain()``).
+
+Rules
+-----
+tags         Each contiguous run of one tag, in program order, is a stage; a device may
+             host several stages. Untagged nodes follow their inputs (the latest stage
+             among them); nodes with no inputs follow their first user.
+split points A list of module paths: a new stage begins at the first node created by
+             each listed module (or one of its children), in program order.
+even         ``num_stages`` contiguous runs with the same number of compute nodes (the
+             placeholder for ``split="auto"`` when no cost model is asked for).
+In every mode placeholders are stage 0 and ``get_attr`` nodes (parameters, constants)
+take the earliest stage that uses them; the partition pass gives every other using stage
+its own reference, so parameters are never sent as activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fxpipe.guard import TAG_KEY
+
+STAGE = "stage"
+REASON = "stage_reason"
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+class AnnotateError(ValueError):
+    """The requested stages cannot be cut from this graph; the message says why and what to do."""
+
+
+@dataclass
+class StageAssignment:
+    """What the annotate pass decided: the stage count and, for tags, each stage's device."""
+
+    num_stages: int
+    tag_devices: list[str] | None
+    reasons: list[str]
+
+
+def tag_of(node: fx.Node) -> str | None:
+    custom = node.meta.get("custom") or {}
+    return custom.get(TAG_KEY)
+
+
+def has_tags(graph: fx.Graph) -> bool:
+    return any(tag_of(n) is not None for n in graph.nodes)
+
+
+def annotate_by_tags(graph: fx.Graph) -> StageAssignment:
+    """Stages from device_guard tags. Raises AnnotateError when the graph has none."""
+    devices: list[str] = []
+    current = -1
+    for node in graph.nodes:
+        tag = tag_of(node)
+        if node.op in COMPUTE_OPS and tag is not None:
+            if not devices or devices[-1] != tag:
+                devices.append(tag)
+                current += 1
+            node.meta[STAGE] = current
+            node.meta[REASON] = f"device_guard({tag!r})"
+    if not devices:
+        raise AnnotateError(
+            "split='tags' but forward() has no fxpipe.device_guard blocks; wrap parts of "
+            "forward in `with fxpipe.device_guard('cpu'):`, or use Plan(split=['module.path', ...]) "
+            "or Plan(split='auto')"
+        )
+    _fill_untagged(graph)
+    return StageAssignment(len(devices), devices, [f"device_guard({d!r}) block" for d in devices])
+
+
+def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known_modules: set[str]) -> StageAssignment:
+    """A new stage begins at the first node of each module path in ``split_points``."""
+    nodes = list(graph.nodes)
+    starts: list[int] = []
+    for i, path in enumerate(split_points):
+        if path not in known_modules:
+            close = sorted(m for m in known_modules if m and (path in m or m in path))[:5]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            raise AnnotateError(f"plan.split[{i}] = {path!r} is not a module of the model{hint}")
+        first = next(
+            (k for k, n in enumerate(nodes) if n.op in COMPUTE_OPS and _within(n.meta.get("module_path", ""), path)),
+            None,
+        )
+        if first is None:
+            raise AnnotateError(f"plan.split[{i}] = {path!r} is never called in forward(); pick a module that runs")
+        if starts and first <= starts[-1]:
+            raise AnnotateError(
+                f"plan.split[{i}] = {path!r} starts at or before plan.split[{i - 1}] = {split_points[i - 1]!r} "
+                "in program order; list split points in the order forward() reaches them, one per stage"
+            )
+        starts.append(first)
+    stage = 0
+    for k, node in enumerate(nodes):
+        while stage < len(starts) and k >= starts[stage]:
+            stage += 1
+        node.meta[STAGE] = stage
+        node.meta[REASON] = f"split point {split_points[stage - 1]!r}" if stage else "before the first split point"
+    _fix_sources(graph)
+    reasons = ["before the first split point"] + [f"from split point {p!r}" for p in split_points]
+    _check_nonempty(graph, len(starts) + 1, "plan.split")
+    return StageAssignment(len(starts) + 1, None, reasons)
+
+
+def annotate_evenly(graph: fx.Graph, num_stages: int) -> StageAssignment:
+    """``num_stages`` contiguous stages with equal numbers of compute nodes."""
+    compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
+    if num_stages > len(compute):
+        raise AnnotateError(
+            f"{num_stages} stages asked for but the graph has only {len(compute)} compute nodes; "
+            "use fewer devices (plan.devices) or chunks"
+        )
+    stage = 0
+    seen = 0
+    for node in graph.nodes:
+        if node.op in COMPUTE_OPS:
+            stage = min(seen * num_stages // len(compute), num_stages - 1)
+            seen += 1
+        node.meta[STAGE] = stage
+        node.meta[REASON] = "even split by node count"
+    _fix_sources(graph)
+    return StageAssignment(num_stages, None, ["even split by node count"] * num_stages)
+
+
+def single_stage(graph: fx.Graph) -> StageAssignment:
+    for node in graph.nodes:
+        node.meta[STAGE] = 0
+        node.meta[REASON] = "single stage"
+    return StageAssignment(1, None, ["single stage"])
+
+
+def _within(module_path: str, prefix: str) -> bool:
+    return module_path == prefix or module_path.startswith(prefix + ".")
+
+
+def _fill_untagged(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if STAGE in node.meta and node.op in COMPUTE_OPS:
+            continue
+        inputs = [a for a in node.all_input_nodes if a.op != "get_attr" and a.meta.get(STAGE) is not None]
+        if node.op == "placeholder":
+            node.meta[STAGE], node.meta[REASON] = 0, "model input"
+        elif node.op == "output":
+            node.meta[STAGE] = max((a.meta[STAGE] for a in inputs), default=0)
+            node.meta[REASON] = "model output"
+        elif inputs:
+            node.meta[STAGE] = max(a.meta[STAGE] for a in inputs)
+            node.meta[REASON] = "untagged: follows its inputs"
+        else:
+            node.meta[STAGE] = None
+    _fix_sources(graph)
+
+
+def _fix_sources(graph: fx.Graph) -> None:
+    """Placeholders to stage 0; attributes and input-free nodes to their earliest user."""
+    for node in reversed(graph.nodes):
+        if node.op == "placeholder":
+            node.meta[STAGE], node.meta[REASON] = 0, "model input"
+        elif node.op == "get_attr" or (node.op != "output" and not node.all_input_nodes) or node.meta.get(STAGE) is None:
+            users = [u.meta[STAGE] for u in node.users if u.meta.get(STAGE) is not None]
+            if users:
+                node.meta[STAGE] = min(users)
+                node.meta[REASON] = "parameter/constant: with its first user" if node.op == "get_attr" else "no inputs: with its first user"
+            elif node.meta.get(STAGE) is None:
+                node.meta[STAGE], node.meta[REASON] = 0, "unused"
+    # the output node gathers whatever the model returns in the last stage
+    last = max(n.meta[STAGE] for n in graph.nodes)
+    for node in graph.nodes:
+        if node.op == "output":
+            node.meta[STAGE] = last
+
+
+def _check_nonempty(graph: fx.Graph, num_stages: int, field: str) -> None:
+    counts = [0] * num_stages
+    for node in graph.nodes:
+        if node.op in COMPUTE_OPS:
+            counts[node.meta[STAGE]] += 1
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty:
+        raise AnnotateError(f"{field} leaves stage(s) {empty} without any computation; remove or move split points")
+
+
+def check_monotone(graph: fx.Graph) -> None:
+    """Raise AnnotateError if some node runs in an earlier stage than one of its inputs."""
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr" and arg.meta[STAGE] > node.meta[STAGE]:
+                raise AnnotateError(
+                    f"node {node.name!r} (stage {node.meta[STAGE]}, module {node.meta.get('module_path')!r}) "
+                    f"uses {arg.name!r} from the later stage {arg.meta[STAGE]}: stages must follow program order; "
+                    "tag the node's block with the later device or move the split point"
+                )
