@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -32,7 +33,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.frontend = part.frontend
         devices = [torch_device(s.device) for s in part.stages]
-        self._placement = place([s.module for s in part.stages], devices, model)
+        self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model)
         self.stages = [
             Stage(s.index, s.device, module, s.inputs, s.outputs, s.reason, s.model_inputs, s.module_paths)
             for s, module in zip(part.stages, self._placement.modules)
@@ -154,6 +155,13 @@ class Pipeline:
             module.zero_grad(set_to_none=set_to_none)
 
     def train(self, mode: bool = True) -> Pipeline:
+        """Set train/eval mode on every stage (fx graphs only: export bakes the mode in)."""
+        if mode != self.training and self.frontend == "export":
+            warnings.warn(
+                "fxpipe: this pipeline was traced with torch.export, which fixes train/eval "
+                "behaviour (BatchNorm, Dropout) at trace time; compile model.eval() separately for inference",
+                stacklevel=2,
+            )
         self.training = mode
         for module in self._placement.modules:
             module.train(mode)

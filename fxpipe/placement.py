@@ -1,6 +1,6 @@
 """Placement: copy each stage's modules onto its device, keeping tied weights tied.
 
-Stages on the same torch device share one copy of any parameter they both use (one
+Stages on the same (logical) device share one copy of any parameter they both use (one
 ``copy.deepcopy`` memo per device), so autograd sums the uses' gradients exactly as
 eager does. A parameter used by stages on different devices is held once per device:
 the copy in the earliest stage is the *primary* (the one ``pipe.parameters()`` lists and
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch import nn
+
+from fxpipe.devices import torch_device
 
 
 @dataclass
@@ -67,13 +69,17 @@ def alias_groups(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def place(modules: list[fx.GraphModule], devices: list[torch.device], model: nn.Module) -> Placement:
-    """Copy stage modules to their devices and map the model's names onto the copies."""
-    memos: dict[torch.device, dict] = defaultdict(dict)
+def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -> Placement:
+    """Copy stage modules to their logical devices and map the model's names onto the copies.
+
+    Logical CPU devices ("cpu:0", "cpu:1") are distinct here: each holds its own copy of a
+    weight tied across them, as two GPUs would.
+    """
+    memos: dict[str, dict] = defaultdict(dict)
     placed: list[fx.GraphModule] = []
     for module, device in zip(modules, devices):
         clone = copy.deepcopy(module, memos[device])
-        placed.append(clone.to(device))
+        placed.append(clone.to(torch_device(device)))
     aliases = alias_groups(model)
     # every tensor each stage holds, under the model's names
     copies: dict[str, list[torch.Tensor]] = defaultdict(list)

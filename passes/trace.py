@@ -230,7 +230,9 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
     graph.output(output)
     for node in list(graph.nodes):
         stack = node.meta.get("nn_module_stack")
-        node.meta["module_path"] = _clean_path(list(stack.values())[-1][0]) if stack else ""
+        paths = [_clean_path(path) for path, _ in (stack or {}).values()]
+        paths = [p for p in paths if not p.startswith("_empty_nn_module_stack")]
+        node.meta["module_path"] = paths[-1] if paths else ""
         # export's input-guard check: shapes are checked by fxpipe itself per micro-batch
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
@@ -242,8 +244,8 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
         bound = signature.bind(*call_args, **call_kwargs)
         bound.apply_defaults()
         # export recorded how many inputs were positional and the keyword names, in order
-        num_positional = in_spec.children_specs[0].num_children
-        keyword_names = in_spec.children_specs[1].context if in_spec.num_children > 1 else []
+        num_positional = in_spec.child(0).num_children
+        keyword_names = in_spec.child(1).context if in_spec.num_children > 1 else []
         names = list(bound.arguments)
         positional = tuple(bound.arguments[n] for n in names[:num_positional])
         keyword = {k: bound.arguments[k] for k in keyword_names}
