@@ -8,12 +8,13 @@ parameters and buffers, so BatchNorm running statistics are never updated.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 
 class _FakeInterpreter(fx.Interpreter):
@@ -44,8 +45,19 @@ class _FakeInterpreter(fx.Interpreter):
         params = dict(module.named_parameters(remove_duplicate=False))
         buffers = dict(module.named_buffers(remove_duplicate=False))
         fakes = {**{k: self._fake(v) for k, v in params.items()}, **{k: self._fake(v) for k, v in buffers.items()}}
-        # replace parameters/buffers by fakes for this call only
-        return torch.func.functional_call(module, fakes, args, kwargs, tie_weights=True, strict=False)
+        try:
+            # parameters/buffers replaced by fakes for this call only
+            return torch.func.functional_call(module, fakes, args, kwargs, tie_weights=True, strict=False)
+        except Exception:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
+            return self._run_for_real(module, args, kwargs)
+
+    def _run_for_real(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run a copy of one module on zero tensors of the right shapes; fake the result."""
+        with unset_fake_temporarily():
+            real = pytree.tree_map_only(torch.Tensor, _zeros_like_fake, (args, kwargs))
+            with torch.no_grad():
+                out = copy.deepcopy(module)(*real[0], **real[1])
+        return pytree.tree_map_only(torch.Tensor, lambda t: self.mode.from_tensor(t, static_shapes=True), out)
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -67,6 +79,10 @@ def propagate_shapes(gm: fx.GraphModule, inputs: list, resolve: Any = None) -> N
         interpreter = _FakeInterpreter(gm, mode, resolve)
         with torch.no_grad() if not torch.is_grad_enabled() else torch.enable_grad():
             interpreter.run(*fake_inputs)
+
+
+def _zeros_like_fake(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
 
 
 def _resolver(gm: torch.nn.Module) -> Any:

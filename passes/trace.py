@@ -172,7 +172,9 @@ def _trace_fx(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Mapp
     tracer = PipeTracer(leaf_modules)
     with preserved_module_state(model), tracing():
         graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        # built before the model's attributes are restored: constants the tracer stored on
+        # the root (``_tensor_constant0``) are copied into the GraphModule
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     signature = inspect.signature(model.forward)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
 
@@ -193,7 +195,7 @@ def _trace_fx(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Mapp
                 values.append(None)
         return values
 
-    return Traced(gm, model, "fx", bind_inputs, lambda out: out)
+    return Traced(gm, gm, "fx", bind_inputs, lambda out: out)
 
 
 def _dynamic_batch_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
