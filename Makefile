@@ -10,11 +10,14 @@ install: $(STAMP)
 
 # torch and torchvision are pinned to the releases this machine keeps on disk
 # (plain pip finds them there; a newer release would download a multi-GB CUDA build).
+# Graphviz draws partitions (fxpipe.draw); where apt-get cannot install it, a matplotlib
+# renderer stands in.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
+	command -v dot >/dev/null || ! command -v apt-get >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; } || echo "graphviz not installed: partition drawings use the matplotlib renderer"
 	touch $(STAMP)
 
 demo: $(STAMP)

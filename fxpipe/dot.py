@@ -1,89 +1,371 @@
-"""Graphviz DOT text for a partition: one cluster per stage, cut edges labelled.
+"""The partition as a diagram: one cluster per stage, cut edges labelled; DOT text for it.
 
-Two views: ``"node"`` (every fx node, module path on each) and ``"stage"`` (a box per
-stage with its module range, parameters and edges with tensor counts and bytes). ``"auto"``
-picks the stage view above 400 nodes so ResNet-152-sized graphs stay readable.
+Two views of a :class:`~fxpipe.partitioned.Partitioned`:
+
+``"node"``   every fx node (parameters aside) inside its stage's cluster, labelled with
+             its name, what it calls, its module path and its output shape; each cut edge
+             runs from a ``send`` to a ``recv`` node and carries the tensor's shape and
+             bytes.
+``"stage"``  one box per stage (device, the modules it runs, nodes, parameters, forward
+             FLOPs) and one arrow per pair of communicating stages (how many tensors,
+             bytes per batch and per micro-batch), so ResNet-152-sized graphs stay readable.
+
+``"auto"`` picks the stage view above ``NODE_VIEW_LIMIT`` nodes. A view is first built
+as a :class:`Diagram` (plain data), which ``Diagram.to_dot`` turns into Graphviz text and
+``fxpipe.draw`` renders, with Graphviz or its own matplotlib fallback.
 """
 
 from __future__ import annotations
 
+import html
+import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
 
 from passes.annotate import STAGE
 from passes.partition import EDGE, fxpipe_recv, fxpipe_send
+from passes.shape_prop import describe
 
 if TYPE_CHECKING:
     from fxpipe.partitioned import Partitioned
+    from fxpipe.stage import Stage
 
-_COLORS = ["#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#e0e7ff", "#ccfbf1", "#fee2e2", "#f3e8ff"]
+LEVELS = ("auto", "node", "stage")
+NODE_VIEW_LIMIT = 400
+COST = "cost"  # node.meta key of the cost pass (passes/cost.py)
+
+# Pastel cluster fills and the stronger border of each, indexed by stage.
+_FILLS = ["#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#e0e7ff", "#ccfbf1", "#fee2e2", "#f3e8ff"]
+_BORDERS = ["#3b82f6", "#22c55e", "#f59e0b", "#ec4899", "#6366f1", "#14b8a6", "#ef4444", "#a855f7"]
+CUT_COLOUR = "#dc2626"
+LINK_COLOUR = "#6b7280"
 
 
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+@dataclass
+class Cluster:
+    """A stage's frame: its index, title and colours."""
+
+    index: int
+    title: str
+    fill: str
+    border: str
+
+
+@dataclass
+class Box:
+    """One drawn node: ``lines[0]`` is its title; ``cluster`` the stage framing it, if any.
+
+    shape: "box" (a computation or a stage), "port" (a send or recv), "io" (the model's
+    inputs and outputs).
+    """
+
+    id: str
+    lines: list[str]
+    fill: str = "#ffffff"
+    border: str = "#4b5563"
+    cluster: int | None = None
+    shape: str = "box"
+
+
+@dataclass
+class Link:
+    """An arrow between two boxes; ``cut`` marks a value crossing stages."""
+
+    src: str
+    dst: str
+    label: str = ""
+    cut: bool = False
+
+
+@dataclass
+class Diagram:
+    """What a partition drawing shows, independent of the renderer.
+
+    rankdir: "TB" (the node view flows down) or "LR" (the stage view flows right).
+    """
+
+    title: str
+    level: str
+    rankdir: str
+    clusters: list[Cluster] = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+
+    def to_dot(self) -> str:
+        """Returns Graphviz DOT source: one ``cluster_<stage>`` subgraph per stage, HTML
+        labels with the first line in bold, cut edges red and labelled."""
+        shapes = {"box": "box", "port": "cds", "io": "oval"}
+        out = [
+            "digraph partition {",
+            f"  rankdir={self.rankdir}; newrank=true; compound=true;",
+            f"  label={_html([self.title])}; labelloc=t; fontname=Helvetica; fontsize=16;",
+            '  node [shape=box, style="rounded,filled", fontname=Helvetica, fontsize=10, penwidth=1];',
+            f'  edge [fontname=Helvetica, fontsize=9, color="{LINK_COLOUR}", arrowsize=0.6];',
+        ]
+
+        def box_line(box: Box, indent: str) -> str:
+            return (
+                f"{indent}{_dot_id(box.id)} [label={_html(box.lines)}, shape={shapes[box.shape]}, "
+                f'fillcolor="{box.fill}", color="{box.border}"];'
+            )
+
+        by_cluster: dict[int | None, list[Box]] = defaultdict(list)
+        for box in self.boxes:
+            by_cluster[box.cluster].append(box)
+        for cluster in self.clusters:
+            out.append(f"  subgraph cluster_{cluster.index} {{")
+            out.append(
+                f"    label={_html([cluster.title])}; labeljust=l; fontsize=13; "
+                f'style="filled,rounded"; fillcolor="{cluster.fill}"; color="{cluster.border}";'
+            )
+            out += [box_line(box, "    ") for box in by_cluster[cluster.index]]
+            out.append("  }")
+        out += [box_line(box, "  ") for box in by_cluster[None]]
+        for link in self.links:
+            attrs = []
+            if link.label:
+                attrs.append(f"label={_html([link.label], bold_title=False)}")
+            if link.cut:
+                attrs.append(f'color="{CUT_COLOUR}", fontcolor="{CUT_COLOUR}", penwidth=2')
+            suffix = f" [{', '.join(attrs)}]" if attrs else ""
+            out.append(f"  {_dot_id(link.src)} -> {_dot_id(link.dst)}{suffix};")
+        out.append("}")
+        return "\n".join(out) + "\n"
+
+
+def partition_diagram(part: Partitioned, level: str = "auto") -> Diagram:
+    """Returns the :class:`Diagram` of ``part`` at ``level`` ("node", "stage" or "auto").
+
+    Raises:
+        ValueError: for any other level.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+    if level == "auto":
+        level = "stage" if _num_nodes(part.graph) > NODE_VIEW_LIMIT else "node"
+    return _stage_diagram(part) if level == "stage" else _node_diagram(part)
 
 
 def partition_dot(part: Partitioned, level: str = "auto") -> str:
-    """DOT source for ``part``; level is "node", "stage" or "auto"."""
-    if level not in ("auto", "node", "stage"):
-        raise ValueError(f"level must be 'auto', 'node' or 'stage', got {level!r}")
-    if level == "auto":
-        level = "stage" if sum(1 for _ in part.graph.nodes) > 400 else "node"
-    return _stage_dot(part) if level == "stage" else _node_dot(part)
+    """Returns Graphviz DOT source for ``part`` at ``level`` ("node", "stage" or "auto").
+
+    Raises:
+        ValueError: for an unknown level.
+    """
+    return partition_diagram(part, level).to_dot()
 
 
-def _node_dot(part: Partitioned) -> str:
-    from fxpipe.partitioned import _fmt_bytes
+# ------------------------------------------------------------------ node view
+def _node_diagram(part: Partitioned) -> Diagram:
+    from fxpipe.partitioned import _fmt_bytes, _fmt_count
 
-    lines = ["digraph partition {", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];']
-    by_stage: dict[int, list] = defaultdict(list)
+    diagram = Diagram(
+        f"{part.model_name}: {part.num_stages} stage(s), node view", "node", "TB",
+        clusters=[_cluster(s, f"stage {s.index} · {s.device} · {_fmt_count(s.num_parameters)} params") for s in part.stages],
+    )
+    modules = {s.index: s.module for s in part.stages}
     for node in part.graph.nodes:
         if node.op == "get_attr":
             continue
-        by_stage[node.meta.get(STAGE, 0)].append(node)
-    for stage in part.stages:
-        color = _COLORS[stage.index % len(_COLORS)]
-        lines.append(f"  subgraph cluster_{stage.index} {{")
-        lines.append(f"    label={_quote(f'stage {stage.index} · {stage.device}')}; style=filled; color={_quote(color)};")
-        for node in by_stage[stage.index]:
-            if node.op == "call_function" and node.target in (fxpipe_send, fxpipe_recv):
-                kind = "send" if node.target is fxpipe_send else "recv"
-                label = f"{kind} {node.meta[EDGE].name}"
-                lines.append(f"    {node.name} [label={_quote(label)}, shape=cds, fillcolor=\"#ffffff\"];")
-                continue
-            path = node.meta.get("module_path", "")
-            label = node.name + (f"\\n{path}" if path and path != node.name else "")
-            lines.append(f"    {node.name} [label={_quote(label)}, fillcolor=\"#ffffff\"];")
-        lines.append("  }")
+        stage = node.meta.get(STAGE, 0)
+        if _is_port(node):
+            edge = node.meta[EDGE]
+            lines = [f"send → stage {edge.dst}" if node.target is fxpipe_send else f"recv ← stage {edge.src}", edge.name]
+            diagram.boxes.append(Box(node.name, lines, _FILLS[stage % len(_FILLS)], _border(stage), stage, "port"))
+            continue
+        shape = "io" if node.op in ("placeholder", "output") else "box"
+        diagram.boxes.append(Box(node.name, _node_lines(node, modules.get(stage)), cluster=stage, shape=shape))
     for node in part.graph.nodes:
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
                 continue
-            attrs = ""
-            if node.op == "call_function" and node.target is fxpipe_recv:
+            if _is_port(node) and node.target is fxpipe_recv:
                 edge = node.meta[EDGE]
-                attrs = f" [label={_quote(f'{edge.description} · {_fmt_bytes(edge.nbytes)}')}, color=red, penwidth=2]"
-            lines.append(f"  {arg.name} -> {node.name}{attrs};")
-    lines.append("}")
-    return "\n".join(lines)
+                diagram.links.append(Link(arg.name, node.name, f"{edge.description} · {_fmt_bytes(edge.nbytes)}", cut=True))
+            else:
+                diagram.links.append(Link(arg.name, node.name))
+    return diagram
 
 
-def _stage_dot(part: Partitioned) -> str:
+def _node_lines(node: fx.Node, module: fx.GraphModule | None) -> list[str]:
+    """Title (node name), what it calls and where (module path), and its output shape."""
+    path = node.meta.get("module_path", "")
+    if node.op == "placeholder":
+        what = "input"
+    elif node.op == "output":
+        what = "output"
+    elif node.op == "call_module":
+        what = _module_class(module, node.target) if module is not None else "module"
+    elif node.op == "call_method":
+        what = f".{node.target}()"
+    else:
+        what = getattr(node.target, "__name__", str(node.target))
+    if path and path != node.name:
+        what += f" · {path}"
+    lines = [node.name, what]
+    if "val" in node.meta:
+        lines.append(describe(node.meta["val"]))
+    return lines
+
+
+def _module_class(module: fx.GraphModule, target: str) -> str:
+    try:
+        return type(module.get_submodule(target)).__name__
+    except AttributeError:
+        return "module"
+
+
+# ----------------------------------------------------------------- stage view
+def _stage_diagram(part: Partitioned) -> Diagram:
     from fxpipe.partitioned import _fmt_bytes, _fmt_count
 
-    lines = ["digraph partition {", "  rankdir=LR;", '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11];']
-    for stage in part.stages:
-        color = _COLORS[stage.index % len(_COLORS)]
-        label = (
-            f"stage {stage.index} · {stage.device}\\n{stage.module_range}\\n"
-            f"{stage.num_nodes} nodes · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})"
-        )
-        lines.append(f"  stage{stage.index} [label={_quote(label)}, fillcolor={_quote(color)}];")
+    microbatches = part.plan.microbatches
+    diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", "LR")
+    inputs = [n for n in part.graph.nodes if n.op == "placeholder"]
+    if inputs:
+        lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
+        diagram.boxes.append(Box("input", lines, shape="io"))
+    flops = stage_flops(part)
+    for stage, stage_flop in zip(part.stages, flops):
+        lines = [f"stage {stage.index} · {stage.device}"]
+        lines += _wrap(module_outline(stage.module_paths), 44)
+        lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})")
+        if stage_flop is not None:
+            lines.append(f"{_fmt_flops(stage_flop)} forward per batch")
+        diagram.boxes.append(Box(f"stage{stage.index}", lines, _FILLS[stage.index % len(_FILLS)], _border(stage.index)))
+    if inputs:
+        diagram.links.append(Link("input", "stage0"))
     pairs: dict[tuple[int, int], list] = defaultdict(list)
     for edge in part.partitioned.edges:
         pairs[(edge.src, edge.dst)].append(edge)
     for (src, dst), edges in sorted(pairs.items()):
-        label = f"{len(edges)} value(s) · {_fmt_bytes(sum(e.nbytes for e in edges))}"
-        lines.append(f"  stage{src} -> stage{dst} [label={_quote(label)}];")
-    lines.append("}")
-    return "\n".join(lines)
+        nbytes = sum(e.nbytes for e in edges)
+        label = f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {_fmt_bytes(nbytes)}"
+        if microbatches > 1:
+            label += f" ({_fmt_bytes(nbytes / microbatches)} / micro-batch)"
+        diagram.links.append(Link(f"stage{src}", f"stage{dst}", label, cut=True))
+    output = next((n for n in part.graph.nodes if n.op == "output"), None)
+    if output is not None:
+        value = fx.map_arg(output.args[0], lambda n: n.meta.get("val"))
+        diagram.boxes.append(Box("output", ["output", describe(value)], shape="io"))
+        diagram.links.append(Link(f"stage{part.num_stages - 1}", "output"))
+    return diagram
+
+
+def module_outline(paths: list[str]) -> str:
+    """Returns the modules a stage runs, compressed: ``conv1, bn1, relu, maxpool, layer1.0–2,
+    layer2.0–1`` (top-level modules in order; numbered children as ranges)."""
+    children: dict[str, list[str]] = {}
+    for path in paths:
+        if not path:
+            continue
+        top, _, rest = path.partition(".")
+        kids = children.setdefault(top, [])
+        child = rest.partition(".")[0]
+        if child and child not in kids:
+            kids.append(child)
+    parts = []
+    for top, kids in children.items():
+        if not kids:
+            parts.append(top)
+        elif all(k.isdigit() for k in kids):
+            low, high = min(map(int, kids)), max(map(int, kids))
+            parts.append(f"{top}.{low}" if low == high else f"{top}.{low}–{high}")
+        else:
+            parts.append(f"{top} ({', '.join(kids[:3])}{', …' if len(kids) > 3 else ''})")
+    return ", ".join(parts) or "(root)"
+
+
+def stage_flops(part: Partitioned) -> list[float | None]:
+    """Returns each stage's forward FLOPs for the full example batch (None where unknown).
+
+    Sums the cost model's ``node.meta["cost"].fwd_flops`` when the cost pass has run;
+    otherwise counts with ``torch.utils.flop_counter`` on fake tensors (nothing computed,
+    the model untouched).
+    """
+    costs = [(n.meta.get(STAGE, 0), n.meta.get(COST)) for n in part.graph.nodes]
+    if any(cost is not None for _, cost in costs):
+        totals: dict[int, float] = defaultdict(float)
+        for stage, cost in costs:
+            totals[stage] += getattr(cost, "fwd_flops", 0.0)
+        return [totals[s.index] for s in part.stages]
+    return [_count_flops(stage) for stage in part.stages]
+
+
+def _count_flops(stage: Stage) -> int | None:
+    import torch
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module = stage.module
+    values = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
+            def fresh(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, requires_grad=t.requires_grad)
+
+            args = pytree.tree_map_only(torch.Tensor, fresh, values)
+            state: dict[str, Any] = {
+                name: mode.from_tensor(t, static_shapes=True)
+                for name, t in [*module.named_parameters(), *module.named_buffers()]
+            }
+            with FlopCounterMode(display=False) as counter:
+                torch.func.functional_call(module, state, tuple(args), strict=False)
+        return counter.get_total_flops()
+    except Exception:  # noqa: BLE001 - FLOPs are a nicety of the drawing, never its failure
+        return None
+
+
+# ------------------------------------------------------------------- helpers
+def _num_nodes(graph: fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op != "get_attr")
+
+
+def _is_port(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (fxpipe_send, fxpipe_recv)
+
+
+def _border(stage: int) -> str:
+    return _BORDERS[stage % len(_BORDERS)]
+
+
+def _cluster(stage: Stage, title: str) -> Cluster:
+    return Cluster(stage.index, title, _FILLS[stage.index % len(_FILLS)], _border(stage.index))
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """Splits a comma-separated list into lines of at most about ``width`` characters."""
+    lines: list[str] = []
+    for item in text.split(", "):
+        if lines and len(lines[-1]) + len(item) + 2 <= width:
+            lines[-1] += ", " + item
+        else:
+            lines.append(item)
+    return lines
+
+
+def _fmt_flops(count: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} FLOP"
+
+
+def _html(lines: list[str], bold_title: bool = True) -> str:
+    """A Graphviz HTML label, one line per row, the first in bold unless told otherwise."""
+    escaped = [html.escape(line, quote=False) for line in lines]
+    if bold_title and escaped and escaped[0]:
+        escaped[0] = f"<B>{escaped[0]}</B>"
+    return "<" + "<BR/>".join(escaped) + ">"
+
+
+def _dot_id(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else '"' + name.replace('"', '\\"') + '"'
+
+
+__all__ = ["Box", "Cluster", "Diagram", "Link", "module_outline", "partition_diagram", "partition_dot", "stage_flops"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
@@ -102,3 +103,14 @@ class Partitioned:
         from fxpipe.dot import partition_dot
 
         return partition_dot(self, level=level)
+
+    def draw(self, path: str | Path, level: str = "auto", renderer: str = "auto") -> Path:
+        """Writes the partition drawing to ``path`` (.svg, .png, .pdf or .dot); returns it.
+
+        level: "node" (every node), "stage" (a box per stage) or "auto" (stage view for
+        big graphs). Uses Graphviz when installed, a matplotlib renderer otherwise; see
+        ``fxpipe.draw.draw`` for what it raises.
+        """
+        from fxpipe.draw import draw
+
+        return draw(self, path, level=level, renderer=renderer)

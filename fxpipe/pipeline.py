@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,6 +180,10 @@ class Pipeline:
 
     def to_dot(self, level: str = "auto") -> str:
         return self.part.to_dot(level)
+
+    def draw(self, path: str | Path, level: str = "auto", renderer: str = "auto") -> Path:
+        """Writes the partition drawing to ``path``; see ``Partitioned.draw``."""
+        return self.part.draw(path, level=level, renderer=renderer)
 
     def timeline(self):
         """Measured Timeline of the last call or step."""

@@ -1,0 +1,100 @@
+"""Partition drawings as DOT: clusters per stage, labelled cut edges, a stage view that scales."""
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe import dot
+from fxpipe.dot import module_outline, partition_diagram, partition_dot, stage_flops
+
+
+class SkipNet(nn.Module):
+    """Three stages; ``h`` skips from stage 0 to stage 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(self.body(h)) + h
+
+
+@pytest.fixture(scope="module")
+def part() -> fxpipe.Partitioned:
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split=["body", "head"], microbatches=2)
+    return fxpipe.partition(SkipNet(), plan, example_inputs=(torch.randn(6, 8),))
+
+
+def _parses(source: str) -> bool:
+    done = subprocess.run(["dot", "-Tcanon"], input=source, text=True, capture_output=True, check=False)
+    return done.returncode == 0 and not done.stderr
+
+
+def test_node_view_has_one_cluster_per_stage_and_cut_edges_with_shape_and_bytes(part):
+    source = part.to_dot(level="node")
+    assert source.count("subgraph cluster_") == 3
+    assert "stage 2 · cpu:2" in source
+    # h crosses to stage 1 and skips to stage 2; 6 x 16 float32 is 384 bytes.
+    cut_labels = [line for line in source.splitlines() if "#dc2626" in line and "->" in line]
+    assert len(cut_labels) == 3
+    assert all("f32[6, 16] · 384 B" in line for line in cut_labels)
+    assert "Linear · body.1" in source and "send → stage 2" in source and "recv ← stage 0" in source
+
+
+def test_stage_view_is_a_box_per_stage_with_modules_params_flops_and_edge_totals(part):
+    source = partition_dot(part, level="stage")
+    assert "subgraph" not in source
+    for index in range(3):
+        assert f"<B>stage {index} · cpu:{index}</B>" in source
+    assert "stage0 -> stage2" in source
+    assert "stage0 -> stage2 [label=<1 tensor · 384 B (192 B / micro-batch)>" in source
+    assert "body.1 … body.1" not in source and "body.0–1" in source
+    assert "params" in source and "FLOP forward per batch" in source
+
+
+def test_stage_flops_count_the_linear_layers(part):
+    flops = stage_flops(part)
+    assert flops[0] == pytest.approx(2 * 6 * 8 * 16, rel=0.15)
+    assert flops[1] == pytest.approx(2 * 6 * 16 * 16, rel=0.15)
+    assert flops[2] == pytest.approx(2 * 6 * 16 * 16, rel=0.15)
+
+
+def test_auto_level_switches_to_the_stage_view_above_the_node_limit(part, monkeypatch):
+    assert partition_diagram(part).level == "node"
+    monkeypatch.setattr(dot, "NODE_VIEW_LIMIT", 5)
+    assert partition_diagram(part).level == "stage"
+
+
+def test_unknown_level_is_an_error_naming_the_choices(part):
+    with pytest.raises(ValueError, match="'auto', 'node', 'stage'"):
+        part.to_dot(level="module")
+
+
+def test_module_outline_keeps_order_and_compresses_numbered_children():
+    paths = ["conv1", "bn1", "layer1.0.conv1", "layer1.2.relu", "layer2.0.bn1", "encoder.attn.q", "encoder.mlp"]
+    assert module_outline(paths) == "conv1, bn1, layer1.0–2, layer2.0, encoder (attn, mlp)"
+    assert module_outline(["", ""]) == "(root)"
+
+
+def test_labels_escape_html_and_odd_node_names():
+    diagram = dot.Diagram("a < b & c", "node", "TB", boxes=[dot.Box("x.y", ["<x>", "a & b"])])
+    source = diagram.to_dot()
+    assert "a &lt; b &amp; c" in source and '"x.y" [' in source
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
+def test_graphviz_parses_both_views_of_a_resnet(part):
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["layer3"])
+    resnet = fxpipe.partition(model, plan, example_inputs=(torch.randn(2, 3, 32, 32),))
+    for source in (resnet.to_dot("node"), resnet.to_dot("stage"), part.to_dot("node"), part.to_dot("stage")):
+        assert _parses(source)
