@@ -87,3 +87,37 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - incomparable values are different
         return False
+
+
+def loss_weights(sizes: list[int], loss_fn: Any, total: int | None = None, scale: float = 1.0) -> list[float]:
+    """Weights that make the micro-batch losses sum to the whole batch's loss.
+
+    A mean-reduced loss (torch's default) is weighted by its micro-batch's share of
+    ``total`` samples (default ``sum(sizes)``; data parallelism passes the global batch),
+    a ``reduction="sum"`` loss by 1; every weight is then multiplied by ``scale``.
+    """
+    total = sum(sizes) if total is None else total
+    if getattr(loss_fn, "reduction", "mean") == "sum":
+        return [scale] * len(sizes)
+    return [scale * n / total for n in sizes]
+
+
+def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: list[float]) -> Any:
+    """``loss_of(i, stage_output)``: micro-batch i's loss times ``weights[i]``.
+
+    ``build_output`` turns the last stage's output into what the model returns. Without a
+    ``loss_fn`` the model's output (or its ``.loss``) must be a scalar loss; otherwise
+    ``loss_of`` raises ValueError saying so.
+    """
+
+    def loss_of(i: int, out: Any) -> torch.Tensor:
+        out = build_output(out)
+        if loss_fn is not None:
+            loss = loss_fn(out, targets[i])
+        else:
+            loss = getattr(out, "loss", out)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise ValueError("step() needs a loss: pass loss_fn to fxpipe.compile, or return a scalar loss from forward")
+        return loss * weights[i]
+
+    return loss_of

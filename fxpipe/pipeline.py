@@ -101,20 +101,7 @@ class Pipeline:
         """
         loss_fn = loss_fn or self.loss_fn
         inputs, targets, sizes = self._split(args, kwargs, target)
-        total = sum(sizes)
-        weights = [n / total if getattr(loss_fn, "reduction", "mean") != "sum" else 1.0 for n in sizes]
-        build = self.part.build_output
-
-        def loss_of(i: int, out: Any) -> torch.Tensor:
-            out = build(out)
-            if loss_fn is not None:
-                loss = loss_fn(out, targets[i])
-            else:
-                loss = getattr(out, "loss", out)
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    raise ValueError("step() needs a loss: pass loss_fn to fxpipe.compile, or return a scalar loss from forward")
-            return loss * weights[i]
-
+        loss_of = microbatch.weighted_loss(loss_fn, self.part.build_output, targets, microbatch.loss_weights(sizes, loss_fn))
         self._placement.sync_replicas()
         result = self._executor.run(self._actions(len(inputs)), inputs, train=True, loss_of=loss_of, record=True)
         self._placement.reduce_replica_grads()
