@@ -72,7 +72,8 @@ class Box:
 
 @dataclass
 class Link:
-    """An arrow between two boxes; ``cut`` marks a value crossing stages."""
+    """An arrow between two boxes; ``cut`` marks a value crossing stages; ``label`` may
+    hold several lines."""
 
     src: str
     dst: str
@@ -127,7 +128,8 @@ class Diagram:
         for link in self.links:
             attrs = []
             if link.label:
-                attrs.append(f"label={_html([link.label], bold_title=False)}")
+                label = _html(link.label.split("\n"), bold_title=False)
+                attrs.append(f"label={label}")
             if link.cut:
                 attrs.append(f'color="{CUT_COLOUR}", fontcolor="{CUT_COLOUR}", penwidth=2')
             suffix = f" [{', '.join(attrs)}]" if attrs else ""
@@ -223,7 +225,9 @@ def _stage_diagram(part: Partitioned) -> Diagram:
     from fxpipe.partitioned import _fmt_bytes, _fmt_count
 
     microbatches = part.plan.microbatches
-    diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", "LR")
+    # A row of stages reads best up to four; more stack downwards.
+    rankdir = "LR" if part.num_stages <= 4 else "TB"
+    diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", rankdir)
     inputs = [n for n in part.graph.nodes if n.op == "placeholder"]
     if inputs:
         lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
@@ -245,7 +249,7 @@ def _stage_diagram(part: Partitioned) -> Diagram:
         nbytes = sum(e.nbytes for e in edges)
         label = f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {_fmt_bytes(nbytes)}"
         if microbatches > 1:
-            label += f" ({_fmt_bytes(nbytes / microbatches)} / micro-batch)"
+            label += f"\n{_fmt_bytes(nbytes / microbatches)} per micro-batch"
         diagram.links.append(Link(f"stage{src}", f"stage{dst}", label, cut=True))
     output = next((n for n in part.graph.nodes if n.op == "output"), None)
     if output is not None:

@@ -145,7 +145,11 @@ def layout(diagram: Diagram) -> Layout:
         starts_cluster = bool(clusters - previous_clusters - {None})
         labels = [link.label for link in diagram.links if link.label and link.dst in {b.id for b in boxes}]
         # A label sits beside its arrow in TB and across the gap between columns in LR.
-        label_room = (FONT * 1.6 if across else max(map(len, labels)) * FONT * 0.9 * 0.6) if labels else 0.0
+        lines = [line for label in labels for line in label.split("\n")]
+        label_room = (
+            (FONT * 1.4 * max(label.count("\n") + 1 for label in labels) if across else max(map(len, lines)) * FONT * 0.9 * 0.6)
+            if labels else 0.0
+        )
         if r != min(by_rank):
             ends_cluster = bool(previous_clusters - clusters - {None})
             position += RANK_GAP + label_room + (CLUSTER_PAD if ends_cluster else 0.0)

@@ -54,7 +54,7 @@ def test_stage_view_is_a_box_per_stage_with_modules_params_flops_and_edge_totals
     for index in range(3):
         assert f"<B>stage {index} · cpu:{index}</B>" in source
     assert "stage0 -> stage2" in source
-    assert "stage0 -> stage2 [label=<1 tensor · 384 B (192 B / micro-batch)>" in source
+    assert "stage0 -> stage2 [label=<1 tensor · 384 B<BR/>192 B per micro-batch>" in source
     assert "body.1 … body.1" not in source and "body.0–1" in source
     assert "params" in source and "FLOP forward per batch" in source
 
