@@ -228,6 +228,7 @@ class Timeline:
         legend = [
             Patch(color=_COLOURS["F"][0], label="forward"),
             Patch(color=_COLOURS["B"][0], label="backward"),
+            Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)"),
         ]
         if multi_chunk:
             legend += [
@@ -258,6 +259,13 @@ class Timeline:
             if e.stage not in stages_of[e.worker]:
                 stages_of[e.worker].append(e.stage)
         devices = {e.worker: e.device for e in self._events if e.device}
+        # A hatched band under each row: whatever forwards and backwards leave uncovered
+        # is the worker's idle time, the pipeline bubble.
+        for worker in range(self.num_workers):
+            ax.barh(
+                worker, self.step_time * scale, left=0, height=0.6, color=_IDLE_COLOUR,
+                hatch="////", edgecolor=_IDLE_EDGE, linewidth=0, zorder=0,
+            )
         for e in self._events:
             left, width = (e.start - origin) * scale, e.duration * scale
             if e.op not in COMPUTE_OPS:
@@ -303,6 +311,8 @@ _COLOURS = {
     "B": ("#e07b28", "#a3520f", "#f0a868", "#6b3306"),
 }
 _COMM_COLOUR = "#9a9a9a"
+_IDLE_COLOUR = "#f4f4f5"
+_IDLE_EDGE = "#d4d4d8"
 
 
 def _label_size(compute: list[Event], points_per_second: float) -> float | None:
