@@ -126,11 +126,12 @@ class LocalExecutor:
         grad_enabled = torch.is_grad_enabled()
         origin = time.perf_counter()
 
-        def forward(stream: WorkerStream, stage: RuntimeStage, i: int) -> None:
+        def forward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:
             args = [move(v, stage.device, detach=train) for v in inputs[i]] if stage.index == 0 else []
             for edge, _src in stage.recv:
                 value, event = box.take(("act", edge, i))
                 args.append(move(stream.receive(value, event), stage.device, detach=train))
+            began = time.perf_counter()
             rng = _rng_state(stage.device) if train and self.checkpoint else None
             with torch.set_grad_enabled(grad_enabled and not (train and self.checkpoint)):
                 out = stage(args)
@@ -147,9 +148,12 @@ class LocalExecutor:
                 event = stream.record()
                 for k, (edge, _dst) in enumerate(stage.send):
                     box.put(("act", edge, i), out[k], event)
+            return began
 
-        def backward(stream: WorkerStream, stage: RuntimeStage, i: int) -> None:
+        def backward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:
             args, out, rng = saved.pop((stage.index, i))
+            received_grads = [box.take(("grad", edge, i)) for edge, _dst in stage.send] if not stage.is_last else []
+            began = time.perf_counter()
             if self.checkpoint:
                 with torch.random.fork_rng(devices=[stage.device] if stage.device.type == "cuda" else []):
                     _set_rng_state(stage.device, rng)
@@ -164,8 +168,7 @@ class LocalExecutor:
                     tensors.append(loss)
                     grads.append(None)
             else:
-                for k, (edge, _dst) in enumerate(stage.send):
-                    grad, event = box.take(("grad", edge, i))
+                for k, (grad, event) in enumerate(received_grads):
                     grad = stream.receive(grad, event)
                     for t, g in zip(pytree.tree_leaves(out[k]), pytree.tree_leaves(grad)):
                         if isinstance(t, torch.Tensor) and t.requires_grad and isinstance(g, torch.Tensor):
@@ -180,6 +183,7 @@ class LocalExecutor:
                 box.put(("grad", edge, i), grad, event)
             if stage.is_last and losses[i] is not None:
                 losses[i] = losses[i].detach()
+            return began
 
         def work(w: int, plan: Sequence[Action]) -> None:
             stream = None
@@ -188,12 +192,11 @@ class LocalExecutor:
                     stage = self.stages[action.stage]
                     if stream is None:
                         stream = WorkerStream(stage.device)
-                    start = time.perf_counter()
                     with stream.active():
                         if action.op == "F":
-                            forward(stream, stage, action.microbatch)
+                            start = forward(stream, stage, action.microbatch)
                         else:
-                            backward(stream, stage, action.microbatch)
+                            start = backward(stream, stage, action.microbatch)
                     if record:
                         stream.synchronize()
                         events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, str(stage.device)))
