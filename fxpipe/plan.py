@@ -48,6 +48,8 @@ class Plan:
     checkpoint: recompute each stage's activations in backward instead of keeping them.
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
+    timeout: seconds a distributed rank waits for a peer before failing with an error
+        naming the rank and stage at fault (distributed runs only).
     frontend: "auto" (torch.fx, falling back to torch.export), "fx" or "export".
     leaf_modules: module classes or qualified names the fx tracer keeps as single calls.
     concrete_args: forward arguments fixed while tracing with fx (torch.fx semantics).
@@ -61,6 +63,7 @@ class Plan:
     checkpoint: bool = False
     device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
     data_parallel: int = 1
+    timeout: float = 300.0
     frontend: str = "auto"
     leaf_modules: Sequence[Any] = ()
     concrete_args: Mapping[str, Any] | None = None
@@ -85,6 +88,8 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan.{name} = {value!r}: must be a positive integer")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0:
+            raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
         if self.chunks > 1 and self.schedule != "interleaved-1f1b":
             raise PlanError(f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (got {self.schedule!r})")
         if self.frontend not in FRONTENDS:
