@@ -14,6 +14,7 @@ from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
+from fxpipe.profile import Profile, profile
 from fxpipe.stage import Stage
 from passes.annotate import AnnotateError
 from passes.trace import TraceError
@@ -29,9 +30,11 @@ __all__ = [
     "PipelineError",
     "Plan",
     "PlanError",
+    "Profile",
     "Stage",
     "TraceError",
     "compile",
     "device_guard",
     "partition",
+    "profile",
 ]

@@ -8,9 +8,11 @@ from typing import Any
 
 from torch import nn
 
+from fxpipe.costs import auto_split, ensure_costs
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
 from fxpipe.plan import Plan, PlanError
+from fxpipe.profile import Profile
 from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
 from fxpipe.stage import Stage
 from passes import annotate as annotate_pass
@@ -57,14 +59,15 @@ def _stage_devices(plan: Plan, num_stages: int, tag_devices: list[str] | None, h
     )
 
 
-def _annotate(graph, plan: Plan, model: nn.Module) -> tuple[annotate_pass.StageAssignment, str]:
+def _annotate(graph, plan: Plan, model: nn.Module, resolve) -> tuple[annotate_pass.StageAssignment, str]:
     if isinstance(plan.split, list):
         known = {name for name, _ in model.named_modules()}
         return annotate_pass.annotate_by_split_points(graph, plan.split, known), f"plan.split={plan.split}"
     if plan.split == "auto":
         if plan.devices is None:
             raise PlanError("split='auto' needs plan.devices: the devices to spread the model over")
-        return annotate_pass.annotate_evenly(graph, len(plan.devices) * plan.chunks), "split='auto'"
+        ensure_costs(graph, resolve)
+        return auto_split(graph, plan), "split='auto' (cost model)"
     if annotate_pass.has_tags(graph):
         return annotate_pass.annotate_by_tags(graph), "the device_guard tags"
     if plan.devices is not None and len(plan.devices) * plan.chunks > 1:
@@ -81,11 +84,13 @@ def partition(
     plan: Plan | Mapping[str, Any] | None = None,
     example_inputs: tuple | Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    profile: Profile | None = None,
 ) -> Partitioned:
     """Run the compiler passes (trace, shape propagation, annotate, partition, codegen).
 
     Nothing is moved or copied: a plan naming ``cuda:0`` can be made and inspected on a
-    machine without a GPU. Returns a :class:`Partitioned`. Raises TraceError when the
+    machine without a GPU. ``profile`` (from ``fxpipe.profile``) replaces the cost model's
+    estimated node times by measured ones. Returns a :class:`Partitioned`. Raises TraceError when the
     model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
     honoured (the message names the field, node or module at fault).
     """
@@ -99,7 +104,9 @@ def partition(
     gm = traced.graph_module
     resolve = _resolver(model, traced.root)
     propagate_shapes(gm, traced.bind_inputs(example_inputs, kwargs), resolve)
-    assignment, how = _annotate(gm.graph, plan, model)
+    if profile is not None:
+        profile.apply(gm.graph)
+    assignment, how = _annotate(gm.graph, plan, model, resolve)
     annotate_pass.check_monotone(gm.graph)
     devices = _stage_devices(plan, assignment.num_stages, assignment.tag_devices, how)
     if plan.schedule == "interleaved-1f1b" and assignment.num_stages % plan.chunks:
@@ -153,6 +160,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     example_inputs: tuple | Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Any = None,
+    profile: Profile | None = None,
 ):
     """Partition ``model`` per ``plan``, place each stage on its device, return a Pipeline.
 
@@ -165,7 +173,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     from fxpipe.pipeline import Pipeline
 
     plan = Plan.coerce(plan)
-    part = partition(model, plan, example_inputs, example_kwargs)
+    part = partition(model, plan, example_inputs, example_kwargs, profile)
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with warnings.catch_warnings():

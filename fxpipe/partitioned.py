@@ -9,8 +9,10 @@ from typing import Any
 
 import torch.fx as fx
 
+from fxpipe.costs import StageEstimate, ensure_costs, estimate_stages, lookup, predicted_timeline
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
+from fxpipe.timeline import Timeline
 from passes.partition import PartitionedGraph
 
 
@@ -20,6 +22,12 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+def _fmt_seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    return f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} µs"
 
 
 def _fmt_count(n: float) -> str:
@@ -67,8 +75,8 @@ class Partitioned:
             f"{self.model_name}: {self.num_stages} stage(s), schedule {self.plan.schedule}, "
             f"{self.plan.microbatches} micro-batch(es), traced with {self.frontend}"
         )
-        rows = [("stage", "device", "nodes", "params", "param bytes", "recv", "send", "modules")]
-        for s in self.stages:
+        rows = [("stage", "device", "nodes", "params", "param bytes", "FLOPs", "predicted", "memory", "recv", "send", "modules")]
+        for s, est in zip(self.stages, self.estimates()):
             rows.append(
                 (
                     str(s.index),
@@ -76,6 +84,9 @@ class Partitioned:
                     str(s.num_nodes),
                     _fmt_count(s.num_parameters),
                     _fmt_bytes(s.parameter_bytes),
+                    _fmt_count(est.flops),
+                    _fmt_seconds(est.time),
+                    _fmt_bytes(est.memory),
                     f"{len(s.inputs)} ({_fmt_bytes(s.recv_bytes)})",
                     f"{len(s.outputs)} ({_fmt_bytes(s.send_bytes)})",
                     s.module_range,
@@ -84,19 +95,51 @@ class Partitioned:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.append("send/recv bytes are per full example batch; each micro-batch moves its share")
+        lines.append(
+            "FLOPs: forward, full example batch; predicted: forward+backward+send/recv of one micro-batch; "
+            "memory: parameters, gradients, optimizer state and in-flight activations (see docs/cost-model.md)"
+        )
         return "\n".join(lines)
 
     def explain(self) -> str:
         """Why each stage holds its nodes (tag, split point, cost model) and the edges it cuts."""
         lines = [f"{self.model_name} traced with {self.frontend}; split={self.plan.split!r}"]
         lines += [f"note: {n}" for n in self.notes]
-        for s in self.stages:
+        for s, est in zip(self.stages, self.estimates()):
             lines.append(f"stage {s.index} on {s.device}: {s.reason}; modules {s.module_range}")
+            lines.append(
+                f"    cost model, per micro-batch: forward {_fmt_seconds(est.forward)}, backward "
+                f"{_fmt_seconds(est.backward)}, send/recv {_fmt_seconds(est.comm)}; memory {_fmt_bytes(est.memory)} "
+                f"(state {_fmt_bytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
+                f"x {_fmt_bytes(est.activation_bytes)})"
+            )
             for e in s.inputs:
                 lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({_fmt_bytes(e.nbytes)})")
             for e in s.outputs:
                 lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({_fmt_bytes(e.nbytes)})")
         return "\n".join(lines)
+
+    def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
+        """The cost model's prediction per stage (time per micro-batch, memory, FLOPs).
+
+        Costs the graph on first use (fake tensors: nothing runs). ``microbatches``
+        defaults to the plan's.
+        """
+        ensure_costs(self.graph, self._resolve)
+        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
+
+    def simulate(self, microbatches: int | None = None) -> Timeline:
+        """The predicted Timeline of one training step under the plan's schedule.
+
+        Stage times come from the cost model (or ``fxpipe.profile`` measurements);
+        ``microbatches`` overrides the plan's count. Returns a Timeline of kind "predicted"
+        whose ``activation_bytes`` gives each stage's bytes per micro-batch.
+        """
+        ensure_costs(self.graph, self._resolve)
+        return predicted_timeline(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
+
+    def _resolve(self, target: str) -> Any:
+        return lookup([s.module for s in self.stages], target)
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""

@@ -165,6 +165,10 @@ class Pipeline:
     def explain(self) -> str:
         return self.part.explain()
 
+    def simulate(self, microbatches: int | None = None):
+        """Predicted Timeline of one step under the schedule; see ``Partitioned.simulate``."""
+        return self.part.simulate(microbatches)
+
     def to_dot(self, level: str = "auto") -> str:
         return self.part.to_dot(level)
 

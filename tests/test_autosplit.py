@@ -1,0 +1,126 @@
+"""The split="auto" partitioner: exact on small chains, memory-safe, speed-aware, heterogeneous."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpipe
+from passes.autosplit import SplitInfeasible, SplitProblem, solve
+
+
+def brute_force(problem: SplitProblem) -> tuple[float, list[int] | None]:
+    K, n = problem.num_stages, problem.num_items
+    best, arg = math.inf, None
+    for cuts in itertools.combinations(range(1, n), K - 1):
+        bounds = [0, *cuts, n]
+        if any(problem.stage_memory(k, bounds[k], bounds[k + 1]) > problem.memory[k] for k in range(K)):
+            continue
+        value = problem.bottleneck(bounds)
+        if value < best:
+            best, arg = value, bounds
+    return best, arg
+
+
+@st.composite
+def problems(draw) -> SplitProblem:
+    K = draw(st.integers(1, 4))
+    n = draw(st.integers(K, 9))
+    unit = st.floats(0, 1, allow_nan=False)
+    speed = [draw(st.sampled_from([1.0, 2.0, 5.0])) for _ in range(K)]
+    times = [draw(st.lists(unit, min_size=n, max_size=n)) for _ in range(K)]
+    return SplitProblem(
+        item_time=torch.tensor([[t / s for t in row] for row, s in zip(times, speed)]),
+        cut_bytes=[0.0] + draw(st.lists(unit, min_size=n - 1, max_size=n - 1)) + [0.0],
+        recv_per_byte=[0.0] + draw(st.lists(unit, min_size=K - 1, max_size=K - 1)),
+        send_per_byte=draw(st.lists(unit, min_size=K - 1, max_size=K - 1)) + [0.0],
+        fixed_time=draw(st.lists(st.floats(0, 0.1), min_size=K, max_size=K)),
+        state_bytes=torch.tensor(draw(st.lists(unit, min_size=n, max_size=n))),
+        activation_bytes=torch.tensor(draw(st.lists(unit, min_size=n, max_size=n))),
+        in_flight=draw(st.lists(st.integers(1, 4), min_size=K, max_size=K)),
+        memory=draw(st.lists(st.floats(0.5, 6), min_size=K, max_size=K)),
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems())
+def test_partitioner_equals_brute_force_and_respects_memory(problem: SplitProblem) -> None:
+    best, _ = brute_force(problem)
+    if best == math.inf:
+        with pytest.raises(SplitInfeasible):
+            solve(problem)
+        return
+    split = solve(problem)
+    assert split.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
+    b = split.boundaries
+    assert b[0] == 0 and b[-1] == problem.num_items and all(x < y for x, y in zip(b, b[1:]))
+    for k in range(problem.num_stages):
+        assert problem.stage_memory(k, b[k], b[k + 1]) <= problem.memory[k]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from([1.0, 2.0, 3.0, 4.0]), min_size=2, max_size=4))
+def test_faster_devices_get_proportionate_work(speeds: list[float]) -> None:
+    n = 400
+    K = len(speeds)
+    problem = SplitProblem(
+        torch.tensor([[1.0 / s] * n for s in speeds]), [0.0] * (n + 1), [0.0] * K, [0.0] * K, [0.0] * K,
+        torch.zeros(n), torch.zeros(n), [1] * K, [1.0] * K,
+    )
+    b = solve(problem).boundaries
+    for k, s in enumerate(speeds):
+        assert b[k + 1] - b[k] == pytest.approx(n * s / sum(speeds), abs=K)
+
+
+class EmbedThenCompute(nn.Module):
+    """A big embedding (memory) followed by compute-heavy layers (FLOPs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50_000, 64)  # 12.8 MB of weights, ~51 MB with grads and Adam
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)])
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)).mean(1))
+
+
+CPU = fxpipe.DeviceSpec(flops=1e10, memory=64e9, bandwidth=10e9)
+GPU = fxpipe.DeviceSpec(flops=1e14, memory=20e6, bandwidth=25e9)
+IDS = torch.randint(0, 50_000, (32, 128))
+
+
+def test_embedding_goes_to_the_cpu_and_compute_to_the_gpu() -> None:
+    plan = fxpipe.Plan(devices=["cpu", "gpu:0"], split="auto", device_specs={"cpu": CPU, "cuda:0": GPU})
+    part = fxpipe.partition(EmbedThenCompute(), plan, example_inputs=(IDS,))
+    cpu, gpu = part.stages
+    assert gpu.device == "cuda:0"
+    assert [p for p in cpu.module_paths if p] == ["embed"]
+    assert all(p.startswith(("body", "head")) or not p for p in gpu.module_paths)
+    assert "cost model" in part.explain() and "cost model" in cpu.reason
+
+
+def test_infeasible_memory_names_the_stage_and_the_bytes() -> None:
+    plan = fxpipe.Plan(devices=["gpu:0", "cpu"], split="auto", device_specs={"cpu": CPU, "cuda:0": GPU})
+    with pytest.raises(fxpipe.PlanError, match=r"(?s)no split.*memory.*stage 0 on cuda:0 .*MB.*has 19\.1 MB.*too small"):
+        fxpipe.partition(EmbedThenCompute(), plan, example_inputs=(IDS,))
+
+
+def test_auto_split_runs_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)], nn.Linear(32, 4))
+    x, t = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split="auto"), example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
+    assert len(pipe.stages) == 3 and all(s.num_nodes > 0 for s in pipe.stages)
+    loss = pipe.step(x, target=t)
+    expected = nn.CrossEntropyLoss()(model(x), t)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad)
