@@ -1,0 +1,3 @@
+from fxpipe.distributed.launch import main
+
+main()

@@ -1,0 +1,194 @@
+"""Messages between ranks: what each action receives before it runs and sends after.
+
+For one rank's action list, ``F(s, i)`` receives micro-batch i's activation on every
+edge into stage s whose producer runs on another rank, and sends its outputs on every
+edge leaving for another rank; ``B(s, i)`` receives the gradients of its outputs and
+sends the gradients of its inputs. Only tensor leaves travel (non-tensor leaves are
+known from the edge's spec), and a gradient message carries only the leaves a gradient
+flows through. Every message is identified by ``(kind, edge, micro-batch)``.
+
+How the ops are posted depends on the backend, and both ways are deadlock-free for any
+schedule ``check_schedule`` accepts:
+
+- **gloo** (``prefetch``): each op has a unique tag, so ranks may post in any order.
+  Sends are posted as soon as their action finishes and never waited on until the end
+  of the step; the receives of action k+1 are posted before action k computes, so
+  transfers overlap compute. A rank only ever blocks on a receive whose sender's action
+  precedes it in the schedule's dependency order: the checker's proof applies.
+- **nccl** (``fused``): NCCL matches ops by order and a send blocks its stream until the
+  receiver posts, so ranks must agree on an order. The sends of action k and the
+  receives of action k+1 go out as one ``batch_isend_irecv`` group (as
+  torch.distributed.pipelining's fused 1F1B does); :func:`check_rendezvous` proves,
+  before anything runs, that the groups of all ranks complete under NCCL's rules.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fxpipe.distributed.specs import ValueSpec
+from fxpipe.schedules import Action
+
+ACT, GRAD = "act", "grad"
+
+
+class CommPlanError(RuntimeError):
+    """The per-rank message order cannot work on this backend (it would mismatch or hang)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One value crossing between ranks: its kind, edge, micro-batch, the other rank, and
+    the leaf positions (in the edge's ValueSpec) whose tensors travel."""
+
+    kind: str
+    edge: int
+    microbatch: int
+    peer: int
+    leaves: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.kind, self.edge, self.microbatch)
+
+
+@dataclass
+class ActionMessages:
+    """Per action of one rank's list: the messages received before it and sent after it."""
+
+    recvs: list[list[Message]]
+    sends: list[list[Message]]
+
+
+def messages_for(
+    actions: Sequence[Action],
+    recv_edges: Sequence[Sequence[int]],
+    send_edges: Sequence[Sequence[int]],
+    edge_ends: Sequence[tuple[int, int]],
+    rank_of_stage: Callable[[int], int],
+    rank: int,
+    spec: Callable[[int, int], ValueSpec],
+) -> ActionMessages:
+    """The messages of one rank's action list.
+
+    recv_edges / send_edges: per stage, edge ids in argument / output order; edge_ends:
+    (src stage, dst stage) per edge; rank_of_stage: the rank holding a stage in this
+    replica; spec(edge, micro-batch): the edge's ValueSpec for that micro-batch.
+    """
+    recvs: list[list[Message]] = []
+    sends: list[list[Message]] = []
+    for action in actions:
+        s, i = action.stage, action.microbatch
+        before, after = [], []
+        if action.op == "F":
+            for e in recv_edges[s]:
+                src = rank_of_stage(edge_ends[e][0])
+                if src != rank and spec(e, i).tensors:
+                    before.append(Message(ACT, e, i, src, tuple(spec(e, i).tensors)))
+            for e in send_edges[s]:
+                dst = rank_of_stage(edge_ends[e][1])
+                if dst != rank and spec(e, i).tensors:
+                    after.append(Message(ACT, e, i, dst, tuple(spec(e, i).tensors)))
+        else:
+            for e in send_edges[s]:
+                dst = rank_of_stage(edge_ends[e][1])
+                if dst != rank and spec(e, i).grads:
+                    before.append(Message(GRAD, e, i, dst, tuple(spec(e, i).grads)))
+            for e in recv_edges[s]:
+                src = rank_of_stage(edge_ends[e][0])
+                if src != rank and spec(e, i).grads:
+                    after.append(Message(GRAD, e, i, src, tuple(spec(e, i).grads)))
+        recvs.append(before)
+        sends.append(after)
+    return ActionMessages(recvs, sends)
+
+
+def fused_groups(messages: ActionMessages) -> list[tuple[list[Message], list[Message]]]:
+    """The (sends, recvs) groups a rank posts under NCCL: sends of action k-1 with the
+    receives of action k, and a last group with the final sends."""
+    groups = []
+    previous: list[Message] = []
+    for recvs, sends in zip(messages.recvs, messages.sends):
+        groups.append((previous, recvs))
+        previous = sends
+    groups.append((previous, []))
+    return groups
+
+
+def check_rendezvous(groups_by_rank: dict[int, list[tuple[list[Message], list[Message]]]]) -> None:
+    """Prove that every rank's fused groups complete when ops match in order (NCCL's rule).
+
+    A send from a to b matches the receive on b from a with the same position in the
+    (a → b) channel; a group completes once every op's partner sits in its rank's
+    current group. Raises CommPlanError when two matched ops carry different messages
+    or when no group can complete.
+    """
+    partner: dict[tuple[int, int, int], tuple[int, int]] = {}  # (rank, group, op) -> (rank, group)
+    sent: dict[tuple[int, int], list[tuple[int, int, Message]]] = defaultdict(list)
+    received: dict[tuple[int, int], list[tuple[int, int, Message]]] = defaultdict(list)
+    for rank, groups in groups_by_rank.items():
+        for g, (sends, recvs) in enumerate(groups):
+            for k, msg in enumerate(sends):
+                sent[(rank, msg.peer)].append((g, k, msg))
+            for k, msg in enumerate(recvs):
+                received[(msg.peer, rank)].append((g, len(sends) + k, msg))
+    for (a, b), outgoing in sent.items():
+        incoming = received.get((a, b), [])
+        if len(incoming) != len(outgoing):
+            raise CommPlanError(f"rank {a} sends {len(outgoing)} message(s) to rank {b}, which receives {len(incoming)}")
+        for (ga, ka, ma), (gb, kb, mb) in zip(outgoing, incoming):
+            if ma.key != mb.key:
+                raise CommPlanError(f"rank {a} sends {ma.key} to rank {b} where rank {b} expects {mb.key}: NCCL would mismatch them")
+            partner[(a, ga, ka)] = (b, gb)
+            partner[(b, gb, kb)] = (a, ga)
+    position = {rank: 0 for rank in groups_by_rank}
+    while True:
+        ready = []
+        for rank, g in position.items():
+            groups = groups_by_rank[rank]
+            if g == len(groups):
+                continue
+            ops = len(groups[g][0]) + len(groups[g][1])
+            if all(position[partner[(rank, g, k)][0]] == partner[(rank, g, k)][1] for k in range(ops)):
+                ready.append(rank)
+        if not ready:
+            break
+        for rank in ready:
+            position[rank] += 1
+    stuck = {r: g for r, g in position.items() if g < len(groups_by_rank[r])}
+    if stuck:
+        detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
+        raise CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+
+
+def tag_of(msg: Message, leaf: int, num_edges: int) -> int:
+    """A tag unique to (kind, edge, micro-batch, leaf) so gloo matches out-of-order posts."""
+    tag = ((msg.microbatch * num_edges + msg.edge) * 2 + (msg.kind == GRAD)) * 64 + leaf % 64
+    return tag % (2**31 - 1)
+
+
+def post(sends: list[tuple[Message, list]], recvs: list[tuple[Message, list]], num_edges: int) -> tuple[list, list]:
+    """Post sends and receives as one batched group.
+
+    Returns ``(send_works, recv_works)``, each a list of ``(work, peer)``. When the backend
+    coalesces the group into fewer works (NCCL), all of them are returned as receive works:
+    waiting for them waits for the whole group.
+    """
+    ops, peers = [], []
+    for msgs, op in ((sends, dist.isend), (recvs, dist.irecv)):
+        for msg, tensors in msgs:
+            for leaf, tensor in zip(msg.leaves, tensors):
+                ops.append(dist.P2POp(op, tensor, msg.peer, tag=tag_of(msg, leaf, num_edges)))
+                peers.append(msg.peer)
+    if not ops:
+        return [], []
+    works = dist.batch_isend_irecv(ops)
+    if len(works) != len(peers):
+        return [], [(work, peers[0]) for work in works]
+    pairs = list(zip(works, peers))
+    n_send = sum(len(msg.leaves) for msg, _ in sends)
+    return pairs[:n_send], pairs[n_send:]

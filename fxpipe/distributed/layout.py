@@ -1,0 +1,123 @@
+"""Which rank runs what: pipeline workers × data-parallel replicas on a device mesh.
+
+The world is a ``(data_parallel, workers)`` mesh: rank ``r`` is worker ``r % workers``
+of replica ``r // workers``. Worker ``w`` runs stages ``w, w + workers, …`` (one stage
+unless the schedule is interleaved). Activations and gradients move along the mesh's
+``"pp"`` dimension with point-to-point ops; gradients are averaged along ``"dp"``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.devices import torch_device
+from fxpipe.plan import Plan, PlanError
+
+
+def requested() -> bool:
+    """True when this process is one of several: torch.distributed is initialised with
+    more than one rank, or ``WORLD_SIZE`` (set by torchrun and fxpipe's launcher) is > 1."""
+    if not dist.is_available():
+        return False
+    if dist.is_initialized():
+        return dist.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """rank/world of this process, ``workers`` per pipeline, ``replicas`` pipelines."""
+
+    rank: int
+    world: int
+    workers: int
+    replicas: int
+    num_stages: int
+
+    @property
+    def worker(self) -> int:
+        return self.rank % self.workers
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.workers
+
+    def worker_of(self, stage: int) -> int:
+        return stage % self.workers
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The rank running ``stage`` in this process's replica."""
+        return self.replica * self.workers + self.worker_of(stage)
+
+    def stages_of(self, worker: int) -> list[int]:
+        return list(range(worker, self.num_stages, self.workers))
+
+    @property
+    def my_stages(self) -> list[int]:
+        return self.stages_of(self.worker)
+
+    def describe(self, rank: int) -> str:
+        stages = self.stages_of(rank % self.workers)
+        where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        return where + (f" of replica {rank // self.workers}" if self.replicas > 1 else "")
+
+
+def make_layout(plan: Plan, num_stages: int) -> Layout:
+    """The layout for this process. Raises PlanError when the world size does not fit."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    workers = num_stages // plan.chunks
+    if workers * plan.data_parallel != world:
+        raise PlanError(
+            f"the plan needs {workers} pipeline worker(s) × data_parallel={plan.data_parallel} = "
+            f"{workers * plan.data_parallel} processes, but the world has {world}; launch "
+            f"{workers * plan.data_parallel} processes (torchrun --nproc-per-node "
+            f"{workers * plan.data_parallel}) or change plan.split / plan.chunks / plan.data_parallel"
+        )
+    return Layout(rank, world, workers, plan.data_parallel, num_stages)
+
+
+def rank_device(stage_device: str) -> torch.device:
+    """The torch device this rank computes on, from its stage's device in the plan.
+
+    CPU stages run on the host. A CUDA stage runs on ``cuda:LOCAL_RANK`` when torchrun
+    (or the launcher) set ``LOCAL_RANK``: one GPU per process, so replicas on one node do
+    not collide; otherwise on the plan's own index.
+    """
+    device = torch_device(stage_device)
+    if device.type != "cuda":
+        return device
+    local = os.environ.get("LOCAL_RANK")
+    count = torch.cuda.device_count()
+    index = int(local) % count if local is not None and count else device.index or 0
+    return torch.device("cuda", index)
+
+
+def init_process_group(device: torch.device, timeout: float) -> None:
+    """Initialise the default process group unless the script did: nccl for CUDA, gloo for CPU.
+
+    Raises PlanError when the script's group cannot move this device's tensors.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        return
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "nccl" not in backend:
+        raise PlanError(f"stages on {device} need the nccl backend, but the process group uses {backend!r}")
+    if device.type == "cpu" and "gloo" not in backend:
+        raise PlanError(f"stages on the CPU need the gloo backend, but the process group uses {backend!r}")
+
+
+def make_mesh(layout: Layout, device: torch.device):
+    """The ``(dp, pp)`` DeviceMesh over the world (a collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (layout.replicas, layout.workers), mesh_dim_names=("dp", "pp"))

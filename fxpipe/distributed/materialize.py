@@ -1,0 +1,160 @@
+"""Each rank builds only its own stages: models bigger than one process.
+
+A model built under ``with torch.device("meta"):`` has shapes but no storage. The
+compiler traces and partitions it as usual (shape propagation runs on meta tensors); each
+rank then copies only its own stage modules, allocates their parameters and buffers on
+its device and fills them from ``weights``:
+
+- a mapping from the model's state_dict names to tensors (only this rank's keys are read,
+  so a lazily loading mapping is read lazily);
+- a path to a ``.safetensors`` file (opened with ``safe_open``: only this rank's tensors
+  are read) or to a ``torch.save`` checkpoint (loaded with ``mmap=True``: pages of other
+  stages' tensors are never touched);
+- a callable ``init(stage_module)`` run on each of this rank's stage modules;
+- ``None``: the model's own ``reset_parameters()`` on every submodule that has one.
+
+A real (non-meta) model is copied stage by stage the same way, so a rank never holds
+another stage's parameters beyond what the user's own model already holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+Weights = Mapping[str, torch.Tensor] | str | os.PathLike | Callable[[nn.Module], None] | None
+
+
+class MaterializeError(ValueError):
+    """A stage's parameters cannot be filled as asked; the message names them."""
+
+
+def is_meta(model: nn.Module) -> bool:
+    """True when any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def open_weights(weights: Weights) -> Mapping[str, torch.Tensor] | Callable[[nn.Module], None] | None:
+    """A lazily read mapping for a checkpoint path; mappings, callables and None as they are."""
+    if weights is None or callable(weights) or isinstance(weights, Mapping):
+        return weights
+    path = os.fspath(weights)
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        return _SafetensorsMapping(safe_open(path, framework="pt", device="cpu"))
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+class _SafetensorsMapping(Mapping):
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.names = set(handle.keys())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.names:
+            raise KeyError(key)
+        return self.handle.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def materialize(
+    modules: dict[int, nn.Module],
+    device: torch.device,
+    weights: Weights,
+    aliases: Mapping[str, list[str]],
+) -> dict[int, nn.Module]:
+    """Copies of this rank's stage modules with real tensors on ``device``.
+
+    modules: stage index -> stage module (referencing the user's model, possibly on meta);
+    aliases: every name of each tensor of the model (tied weights have several).
+    Tensors shared between the stages stay shared. Raises MaterializeError naming the
+    stage and tensor that no checkpoint entry or ``reset_parameters`` fills.
+    """
+    memo: dict[int, Any] = {}
+    copies = {s: copy.deepcopy(m, memo) for s, m in modules.items()}
+    created: dict[int, torch.Tensor] = {}
+    fresh: dict[int, tuple[int, str]] = {}  # id of allocated-from-meta tensor -> (stage, name)
+    for s, module in copies.items():
+        for path, sub in module.named_modules():
+            for slot in (sub._parameters, sub._buffers):
+                for name, tensor in list(slot.items()):
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in created:
+                        created[id(tensor)] = _on_device(tensor, device)
+                        if tensor.is_meta:
+                            fresh[id(created[id(tensor)])] = (s, f"{path}.{name}" if path else name)
+                    slot[name] = created[id(tensor)]
+    source = open_weights(weights)
+    if callable(source) and not isinstance(source, Mapping):
+        with torch.no_grad():
+            for module in copies.values():
+                source(module)
+        return copies
+    if isinstance(source, Mapping):
+        _load(copies, source, aliases, fresh)
+        return copies
+    if fresh:
+        _reset(copies, fresh)
+    return copies
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    data = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.detach().to(device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(data, requires_grad=tensor.requires_grad)
+    return data
+
+
+def _load(copies: dict[int, nn.Module], state: Mapping[str, torch.Tensor], aliases: Mapping[str, list[str]], fresh: dict) -> None:
+    missing = []
+    seen: set[int] = set()
+    with torch.no_grad():
+        for s, module in copies.items():
+            for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+                if id(tensor) in seen:
+                    continue
+                key = next((k for k in aliases.get(name, [name]) if k in state), None)
+                if key is None:
+                    if id(tensor) in fresh:
+                        missing.append(f"{name} (stage {s})")
+                    continue
+                value = state[key]
+                if tuple(value.shape) != tuple(tensor.shape):
+                    raise MaterializeError(f"weights[{key!r}] has shape {tuple(value.shape)}, stage {s} expects {tuple(tensor.shape)}")
+                tensor.copy_(value)
+                seen.add(id(tensor))
+    if missing:
+        raise MaterializeError(
+            f"the weights have no entry for {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}; "
+            "pass a state dict or checkpoint holding every key of model.state_dict()"
+        )
+
+
+def _reset(copies: dict[int, nn.Module], fresh: dict[int, tuple[int, str]]) -> None:
+    filled: set[int] = set()
+    with torch.no_grad():
+        for module in copies.values():
+            for sub in module.modules():
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset) and sub is not module:
+                    reset()
+                    filled.update(id(t) for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)))
+    unfilled = [f"{name} (stage {s})" for key, (s, name) in fresh.items() if key not in filled]
+    if unfilled:
+        raise MaterializeError(
+            f"{', '.join(unfilled[:8])}{' …' if len(unfilled) > 8 else ''} belong to no module with "
+            "reset_parameters(), so nothing can initialise them on this rank; pass weights= (a state "
+            "dict, a .safetensors or torch.save checkpoint path, or an init function)"
+        )

@@ -1,0 +1,142 @@
+"""What crosses each edge, per input signature: shapes and dtypes known before anything runs.
+
+A rank receives a value by posting ``irecv`` into buffers of the right shape and dtype,
+so both ends must agree on them without asking each other. Every rank holds a *skeleton*
+of every stage (the stage module with its parameters and buffers on the ``meta``
+device: no memory) and runs the whole pipeline once on fake tensors for a micro-batch's
+input signature. That gives, for every edge, the pytree of the value it carries: tensor
+leaves become :class:`LeafSpec` (shape, dtype, whether a gradient flows back) and
+non-tensor leaves (None, Python numbers, strings) are kept as the values themselves, so
+they never travel. The result is cached per signature: another batch size or the short
+last batch of an epoch costs one fake run, never a runtime shape exchange.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+class SignatureError(RuntimeError):
+    """A stage cannot be run on fake tensors (its output depends on the data)."""
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One tensor leaf of an edge value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """An edge value: its pytree structure, tensor leaves as LeafSpec, other leaves as is."""
+
+    treespec: Any
+    leaves: tuple[Any, ...]
+
+    @property
+    def tensors(self) -> list[int]:
+        """Positions of the tensor leaves (the only ones that are sent)."""
+        return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec)]
+
+    @property
+    def grads(self) -> list[int]:
+        """Positions of the tensor leaves whose gradient goes back to the producer."""
+        return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec) and leaf.requires_grad]
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The value, from received tensors (in ``tensors`` order) and the constant leaves;
+        tensors require grad as the sender's did."""
+        it = iter(tensors)
+        leaves = [next(it).requires_grad_(leaf.requires_grad) if isinstance(leaf, LeafSpec) else leaf for leaf in self.leaves]
+        return pytree.tree_unflatten(leaves, self.treespec)
+
+
+def signature(value: Any) -> tuple:
+    """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
+    leaves, spec = pytree.tree_flatten(value)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        else:
+            parts.append(("C", repr(leaf)))
+    return (str(spec), tuple(parts))
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device."""
+    memo: dict[int, Any] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def value_spec(value: Any) -> ValueSpec:
+    leaves, treespec = pytree.tree_flatten(value)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(LeafSpec(tuple(int(d) for d in leaf.shape), leaf.dtype, bool(leaf.requires_grad)))
+        else:
+            out.append(leaf)
+    return ValueSpec(treespec, tuple(out))
+
+
+def derive_edge_specs(
+    skeletons: Sequence[nn.Module],
+    recv_edges: Sequence[Sequence[int]],
+    send_edges: Sequence[Sequence[int]],
+    inputs: list,
+    train: bool,
+) -> dict[int, ValueSpec]:
+    """Run every stage on fake tensors for one micro-batch; return each edge's ValueSpec.
+
+    skeletons: per stage, a meta copy (see :func:`skeleton`); recv_edges / send_edges:
+    per stage, the edge ids of its inputs after the model's (in argument order) and of
+    its output tuple; inputs: the micro-batch's flat model inputs (real or fake).
+    Raises SignatureError naming the stage when a stage cannot run on fake tensors.
+    """
+    values: dict[int, Any] = {}
+    last_sender = max((s for s, sends in enumerate(send_edges) if sends), default=-1)
+    with FakeTensorMode(allow_non_fake_inputs=True) , torch.set_grad_enabled(train):
+        flat = pytree.tree_map_only(torch.Tensor, _fake_like, inputs)
+        for s in range(last_sender + 1):
+            args = list(flat) if s == 0 else []
+            args += [values[e] for e in recv_edges[s]]
+            state = {
+                name: _fake_param(t)
+                for name, t in list(skeletons[s].named_parameters(remove_duplicate=False))
+                + list(skeletons[s].named_buffers(remove_duplicate=False))
+            }
+            try:
+                out = torch.func.functional_call(skeletons[s], state, tuple(args), strict=False, tie_weights=True)
+            except Exception as err:
+                raise SignatureError(
+                    f"stage {s} cannot run on fake tensors for this input signature, so the shapes it "
+                    f"sends are unknown: {type(err).__name__}: {err}"
+                ) from err
+            for k, edge in enumerate(send_edges[s]):
+                values[edge] = out[k]
+    return {edge: value_spec(v) for edge, v in values.items()}
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else fake
+
+
+def _fake_param(t: torch.Tensor) -> torch.Tensor:
+    fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return fake.requires_grad_(t.requires_grad) if t.requires_grad else fake
