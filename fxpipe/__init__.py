@@ -16,6 +16,7 @@ from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
 from fxpipe.stage import Stage
+from fxpipe.tune import tune
 from passes.annotate import AnnotateError
 from passes.trace import TraceError
 
@@ -37,4 +38,5 @@ __all__ = [
     "device_guard",
     "partition",
     "profile",
+    "tune",
 ]

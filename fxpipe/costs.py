@@ -42,12 +42,13 @@ from passes.partition import EDGE
 from passes.shape_prop import tensor_bytes
 
 CPU_FLOPS_PER_CORE = 40e9
+CPU_ACTION_LATENCY = 100e-6  # thread hand-off and autograd call per action, measured on the local executor
 OPTIMIZER_STATES = 2  # Adam's two moments; SGD with momentum holds 1
 MEASURED = "measured_time"
 # FLOPs per byte of memory traffic at which a device turns from memory- to compute-bound.
 _BALANCE = {"cpu": 8.0, "cuda": 30.0}
 # Seconds of fixed cost per op (Python dispatch on CPU, kernel launch on GPU).
-_OP_OVERHEAD = {"cpu": 5e-6, "cuda": 10e-6}
+_OP_OVERHEAD = {"cpu": 15e-6, "cuda": 10e-6}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def default_spec(device: str) -> DeviceSpec:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.8
         except (ValueError, OSError, AttributeError):
             memory = 16e9
-        return DeviceSpec(flops=CPU_FLOPS_PER_CORE * cores, memory=float(memory), bandwidth=10e9)
+        return DeviceSpec(flops=CPU_FLOPS_PER_CORE * cores, memory=float(memory), bandwidth=10e9, latency=CPU_ACTION_LATENCY)
     index = int(device.split(":")[1]) if ":" in device else 0
     if torch.cuda.is_available() and index < torch.cuda.device_count():
         props = torch.cuda.get_device_properties(index)

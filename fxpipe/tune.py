@@ -1,0 +1,177 @@
+"""``fxpipe.tune``: the micro-batch count, chosen by prediction and confirmed by measuring.
+
+The tutorial's "split size" sweep, done without running most of it: the model is
+partitioned once, the cost model predicts one step (``Partitioned.simulate``) for every
+candidate micro-batch count, counts whose predicted peak memory does not fit a device are
+dropped, and the few best predicted counts are compiled and timed for real. Fewer
+micro-batches leave a bigger pipeline bubble; more pay the fixed per-op and per-action
+costs more often on smaller kernels, so the curve is U-shaped and its bottom is the answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe.costs import spec_for
+from fxpipe.plan import Plan, PlanError
+
+
+@dataclass
+class TunePoint:
+    """One micro-batch count of the sweep: predicted step seconds and peak bytes on the
+    fullest device, whether that fits, and the measured step seconds when it was run."""
+
+    microbatches: int
+    predicted_step: float
+    predicted_memory: float
+    fits: bool
+    measured_step: float | None = None
+
+
+def _batch_size(example_inputs: tuple) -> int:
+    for leaf in pytree.tree_leaves(example_inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise PlanError("tune needs a tensor with a batch dimension among example_inputs")
+
+
+def _mean_loss(output: Any, target: Any) -> torch.Tensor:
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.mean() for t in leaves)
+
+
+def sweep(
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any],
+    example_inputs: tuple | Any,
+    loss_fn: Any = None,
+    target: Any = None,
+    candidates: Sequence[int] | None = None,
+    measure: int | Sequence[int] = 3,
+    repeats: int = 3,
+    example_kwargs: Mapping[str, Any] | None = None,
+    profile: Any = None,
+) -> list[TunePoint]:
+    """Predict every candidate micro-batch count and measure a few; one TunePoint each.
+
+    candidates: counts to predict (default 1 up to the batch size, at most 64);
+    measure: how many of the best predicted counts that fit to compile and time, or the
+    exact counts to time; repeats: timed steps per measured count (the fastest is kept,
+    after one warm-up step). The model is never changed: measuring runs on a copy.
+    ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
+    for counts above the batch size, and what ``fxpipe.partition`` raises.
+    """
+    from fxpipe.compiler import compile as compile_pipeline
+    from fxpipe.compiler import partition
+
+    plan = Plan.coerce(plan)
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    batch = _batch_size(example_inputs)
+    counts = sorted(set(candidates or range(1, min(batch, 64) + 1)))
+    if counts[0] < 1 or counts[-1] > batch:
+        raise PlanError(f"tune candidates must lie in 1..{batch} (the example batch size), got {counts}")
+    part = partition(model, plan, example_inputs, example_kwargs, profile)
+    limits = [spec_for(plan, d).memory for d in part.devices]
+    points = []
+    for m in counts:
+        estimates = part.estimates(m)
+        memory = max(e.memory for e in estimates)
+        fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
+        points.append(TunePoint(m, part.simulate(m).step_time, memory, fits))
+    if isinstance(measure, int):
+        ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
+        timed = {p.microbatches for p in ranked[:measure]}
+    else:
+        timed = set(measure)
+    replica = copy.deepcopy(model)
+    loss_fn = loss_fn or _mean_loss
+    for point in points:
+        if point.microbatches in timed:
+            pipe = compile_pipeline(replica, plan.replace(microbatches=point.microbatches), example_inputs, example_kwargs, loss_fn, profile)
+            point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
+    return points
+
+
+def _time_step(pipe: Any, args: tuple, kwargs: Mapping[str, Any], target: Any, repeats: int) -> float:
+    best = float("inf")
+    for k in range(repeats + 1):
+        start = time.perf_counter()
+        pipe.step(*args, target=target, **kwargs)
+        if k:
+            best = min(best, time.perf_counter() - start)
+        pipe.zero_grad()
+    return best
+
+
+def tune(
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any],
+    example_inputs: tuple | Any,
+    loss_fn: Any = None,
+    target: Any = None,
+    candidates: Sequence[int] | None = None,
+    measure: int | Sequence[int] = 3,
+    plot: str | Path | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan with the best micro-batch count: lowest measured step time among the
+    measured counts (lowest predicted when ``measure=0``).
+
+    Arguments as for :func:`sweep` (``options`` passes repeats, example_kwargs, profile).
+    ``plot``: write predicted (line) and measured (points) step time against the
+    micro-batch count to this image file. Raises PlanError when no count fits the
+    devices' memory, and what :func:`sweep` raises.
+    """
+    plan = Plan.coerce(plan)
+    points = sweep(model, plan, example_inputs, loss_fn, target, candidates, measure, **options)
+    if plot is not None:
+        plot_sweep(points, plot)
+    measured = [p for p in points if p.measured_step is not None]
+    if measured:
+        best = min(measured, key=lambda p: p.measured_step)
+    else:
+        fitting = [p for p in points if p.fits]
+        if not fitting:
+            raise PlanError("no micro-batch count fits the devices' memory; see Partitioned.explain() for where it goes")
+        best = min(fitting, key=lambda p: p.predicted_step)
+    return plan.replace(microbatches=best.microbatches)
+
+
+def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None = None) -> Path:
+    """Draw predicted and measured step time against the micro-batch count; returns the path.
+
+    Raises ImportError without matplotlib (``pip install fxpipe[plot]``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p.microbatches for p in points], [p.predicted_step * 1e3 for p in points], "-", label="predicted")
+    measured = [p for p in points if p.measured_step is not None]
+    if measured:
+        ax.plot([p.microbatches for p in measured], [p.measured_step * 1e3 for p in measured], "o", label="measured")
+    unfit = [p for p in points if not p.fits]
+    if unfit:
+        ax.plot([p.microbatches for p in unfit], [p.predicted_step * 1e3 for p in unfit], "x", color="red", label="exceeds memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title or "step time against micro-batch count")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,107 @@
+"""The cost model: FLOPs from flop_counter on fake tensors, bytes, device specs, predictions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxpipe
+from fxpipe.costs import DeviceModel, default_spec, spec_for
+from passes.cost import COST, NodeCost
+
+X = torch.randn(16, 32)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(inplace=True), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def costs_of(part: fxpipe.Partitioned) -> dict[str, NodeCost]:
+    part.estimates()
+    return {n.name: n.meta[COST] for n in part.graph.nodes if COST in n.meta and n.op == "call_module"}
+
+
+def test_linear_flops_match_flop_counter_forward_and_backward() -> None:
+    part = fxpipe.partition(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]), example_inputs=(X,))
+    costs = costs_of(part)
+    assert costs["_0"].fwd_flops == 2 * 16 * 32 * 64
+    # the model input needs no gradient: only the weight gradient is computed
+    assert costs["_0"].bwd_flops == 2 * 16 * 32 * 64
+    assert costs["_2"].bwd_flops == 2 * 2 * 16 * 64 * 64
+    assert costs["_2"].param_bytes == (64 * 64 + 64) * 4
+    model = mlp()
+    with FlopCounterMode(display=False) as counter:
+        model(X).sum().backward()
+    counted = sum(c.fwd_flops + c.bwd_flops for name, c in costs.items() if name in ("_0", "_2", "_4"))
+    assert counted == counter.get_total_flops()
+
+
+def test_inplace_and_views_do_not_double_count_activations() -> None:
+    part = fxpipe.partition(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]), example_inputs=(X,))
+    costs = costs_of(part)
+    assert costs["_1"].activation_bytes == 0  # ReLU(inplace=True) writes into _0's output
+    assert costs["_3"].activation_bytes == 16 * 64 * 4
+    assert costs["_1"].fwd_flops == 16 * 64  # not counted by flop_counter: one per element
+
+
+def test_costing_leaves_the_model_untouched() -> None:
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    part = fxpipe.partition(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto"), example_inputs=(X,))
+    part.summary()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+
+
+def test_summary_and_explain_report_flops_time_and_memory() -> None:
+    part = fxpipe.partition(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]), example_inputs=(X,))
+    summary = part.summary()
+    assert "FLOPs" in summary and "predicted" in summary and "memory" in summary
+    explain = part.explain()
+    assert explain.count("cost model, per micro-batch") == 2
+    estimates = part.estimates()
+    assert all(e.time > 0 and e.memory > 0 for e in estimates)
+
+
+def test_simulate_predicts_a_timeline_for_the_schedule() -> None:
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto", microbatches=4)
+    pipe = fxpipe.compile(mlp(), plan, example_inputs=(X,), loss_fn=nn.CrossEntropyLoss())
+    timeline = pipe.simulate()
+    assert timeline.kind == "predicted" and timeline.step_time > 0
+    assert len(timeline.events) == 2 * 2 * 4
+    assert 0 < timeline.bubble_fraction < 1
+    assert pipe.simulate(8).step_time != timeline.step_time
+
+
+def test_default_specs_are_deterministic_and_cpu_n_share_the_cpu_spec() -> None:
+    cpu = default_spec("cpu")
+    assert cpu.flops > 0 and cpu.memory > 0 and cpu.bandwidth > 0
+    assert default_spec("cpu:1") == cpu
+    gpu = default_spec("cuda:0")
+    assert gpu.flops > cpu.flops
+    custom = fxpipe.DeviceSpec(flops=1e9, memory=1e9, bandwidth=1e9)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], device_specs={"cpu": custom})
+    assert spec_for(plan, "cpu:1") == custom
+
+
+def test_faster_device_predicts_less_time() -> None:
+    cost = NodeCost(fwd_flops=1e9, bwd_flops=2e9, act_bytes_moved=1e3)
+    plan = fxpipe.Plan(device_specs={"cpu": fxpipe.DeviceSpec(1e10, 1e9, 1e9), "cuda:0": fxpipe.DeviceSpec(1e12, 1e9, 1e9)})
+    slow = sum(DeviceModel.of(plan, "cpu").node_times(cost, 1.0))
+    fast = sum(DeviceModel.of(plan, "cuda:0").node_times(cost, 1.0))
+    assert slow == pytest.approx(0.3, rel=0.01) and fast < slow / 50
+
+
+def test_profile_measures_every_node_and_feeds_the_split() -> None:
+    model = mlp()
+    profile = fxpipe.profile(model, (X,), device="cpu", repeats=1)
+    assert set(profile.times) == {"_0", "_1", "_2", "_3", "_4"}
+    assert all(t.forward > 0 for t in profile.times.values())
+    assert profile.times["_2"].backward > 0
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto")
+    part = fxpipe.partition(model, plan, example_inputs=(X,), profile=profile)
+    assert any("measured_time" in n.meta for n in part.graph.nodes)
+    assert all(e.forward > 0 for e in part.estimates())

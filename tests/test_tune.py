@@ -1,0 +1,50 @@
+"""Micro-batch tuning: a U-shaped predicted curve, a plan back, a plot of predicted vs measured."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.tune import sweep
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(6)], nn.Linear(128, 4))
+
+
+X = torch.randn(256, 128)
+T = torch.randint(0, 4, (256,))
+PLAN = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split="auto")
+
+
+def test_predicted_step_time_is_u_shaped_in_the_microbatch_count() -> None:
+    points = sweep(model(), PLAN, (X,), candidates=[1, 2, 4, 8, 16, 32, 64, 128, 256], measure=0)
+    times = [p.predicted_step for p in points]
+    best = times.index(min(times))
+    assert 0 < best < len(times) - 1
+    assert all(p.measured_step is None and p.fits for p in points)
+
+
+def test_tune_returns_the_plan_with_the_best_measured_count(tmp_path) -> None:
+    path = tmp_path / "tune.png"
+    net = model()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    best = fxpipe.tune(net, PLAN, (X,), nn.CrossEntropyLoss(), T, candidates=[1, 4, 16, 64], measure=2, repeats=1, plot=path)
+    assert isinstance(best, fxpipe.Plan) and best.microbatches in (1, 4, 16, 64)
+    assert best.devices == PLAN.devices and best.split == "auto"
+    assert path.stat().st_size > 0
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+
+
+def test_counts_that_do_not_fit_memory_are_not_chosen() -> None:
+    tight = fxpipe.DeviceSpec(flops=1e10, memory=0.9e6, bandwidth=1e9)
+    plan = PLAN.replace(device_specs={"cpu": fxpipe.DeviceSpec(flops=1e10, memory=1e9, bandwidth=1e9)})
+    points = sweep(model(), plan, (X,), candidates=[1, 8, 64], measure=0)
+    small = plan.replace(device_specs={"cpu": tight})
+    fits = {p.microbatches: p.fits for p in sweep(model(), small, (X,), candidates=[1, 8, 64], measure=0)}
+    assert all(p.fits for p in points)
+    assert not fits[1] and fits[64]
+    assert fxpipe.tune(model(), small, (X,), candidates=[1, 8, 64], measure=0).microbatches != 1
