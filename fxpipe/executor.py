@@ -123,7 +123,7 @@ class LocalExecutor:
         outputs: list[Any] = [None] * m
         losses: list[torch.Tensor | None] = [None] * m
         events: list[Event] = []
-        grad_enabled = torch.is_grad_enabled()
+        grad_enabled = torch.is_grad_enabled() or train
         origin = time.perf_counter()
 
         def forward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:

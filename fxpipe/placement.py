@@ -45,7 +45,7 @@ class Placement:
         with torch.no_grad():
             for group in self.tied:
                 for replica in group.replicas:
-                    replica.copy_(group.primary, non_blocking=True)
+                    replica.copy_(group.primary)  # blocking: workers' streams read it next
 
     def reduce_replica_grads(self) -> None:
         """Add replicas' gradients into the primary's and clear them."""
