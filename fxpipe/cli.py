@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_output_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
                         help="folder for the pictures and traces (created if missing); default the current folder")
+    parser.add_argument("--prefix", default="", metavar="TEXT",
+                        help="prepended to every file name written, e.g. resnet50- gives resnet50-partition.svg")
 
 
 def _positive(text: str) -> int:
@@ -166,15 +168,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     model = load_model(args.model, parse_model_args(args.model_arg))
     inputs = example_inputs(args.input)
     part = fxpipe.partition(model, plan_from_args(args), example_inputs=inputs)
-    out = _out_dir(args.out)
+    out = _out_dir(args.out, args.prefix)
     print(part.summary())
     if args.explain:
         print()
         print(part.explain())
-    drawing = part.draw(out / f"partition.{args.format}", level=args.level, renderer=args.renderer)
+    drawing = part.draw(out(f"partition.{args.format}"), level=args.level, renderer=args.renderer)
     print(f"\npartition drawing: {drawing}")
     predicted, note = predicted_timeline(part)
-    _write_timeline(predicted, out / "timeline-predicted.png", out / "trace-predicted.json", note)
+    _write_timeline(predicted, out("timeline-predicted.png"), out("trace-predicted.json"), note)
     return 0
 
 
@@ -191,7 +193,7 @@ def run_train(args: argparse.Namespace) -> int:
     inputs = example_inputs(args.input, seed=args.seed)
     loss_fn = {"cross-entropy": torch.nn.CrossEntropyLoss(), "mse": torch.nn.MSELoss(), "output": None}[args.loss]
     pipe = fxpipe.compile(model, plan_from_args(args), example_inputs=inputs, loss_fn=loss_fn)
-    out = _out_dir(args.out)
+    out = _out_dir(args.out, args.prefix)
     print(pipe.summary())
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     output_value = next(n for n in pipe.graph.nodes if n.op == "output").meta.get("val")
@@ -205,7 +207,7 @@ def run_train(args: argparse.Namespace) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item():.4f}", step=f"{time.perf_counter() - started:.3f}s")
-    measured = pipe.timeline()
+    measured = on_logical_devices(pipe.timeline(), pipe.part.devices)
     predicted, note = predicted_timeline(pipe, measured)
     print()
     print(measured.summary())
@@ -213,9 +215,10 @@ def run_train(args: argparse.Namespace) -> int:
     print(predicted.summary())
     if note:
         print(f"note: {note}")
-    measured.to_chrome_trace(out / "trace-measured.json")
-    predicted.plot(out / "timeline.png", other=measured, title=f"{pipe.part.model_name}: predicted (top) and measured (bottom)")
-    print(f"\ntimeline: {out / 'timeline.png'}\nChrome trace: {out / 'trace-measured.json'} (open in Perfetto or chrome://tracing)")
+    picture, trace = out("timeline.png"), out("trace-measured.json")
+    measured.to_chrome_trace(trace)
+    predicted.plot(picture, other=measured, title=f"{pipe.part.model_name}: predicted (top) and measured (bottom)")
+    print(f"\ntimeline: {picture}\nChrome trace: {trace} (open in Perfetto or chrome://tracing)")
     return 0
 
 
@@ -375,12 +378,12 @@ def predicted_timeline(target: Any, measured: Any = None) -> tuple[Any, str | No
     proportion to its node count and its backward twice that: 1 ms per node, or, given
     the ``measured`` timeline, the per-node time that makes both do the same total work.
     """
+    part = getattr(target, "part", target)
     if hasattr(target, "simulate"):
-        return target.simulate(), None
+        return on_logical_devices(target.simulate(), part.devices), None
     from fxpipe.schedules import make_schedule
     from fxpipe.simulate import simulate
 
-    part = getattr(target, "part", target)
     plan = part.plan
     nodes = [max(1, s.num_nodes) for s in part.stages]
     actions = make_schedule(plan.schedule, part.num_stages, plan.microbatches, plan.chunks)
@@ -395,6 +398,7 @@ def predicted_timeline(target: Any, measured: Any = None) -> tuple[Any, str | No
         backward_time=lambda s, m: 2 * nodes[s] * per_node,
         deps=deps or None,
     )
+    timeline = on_logical_devices(timeline, part.devices)
     how = "scaled to the measured total work" if measured is not None else "1 ms per node"
     note = (
         "no cost model in this fxpipe (no simulate()): the predicted timeline gives each stage "
@@ -402,6 +406,17 @@ def predicted_timeline(target: Any, measured: Any = None) -> tuple[Any, str | No
         "it shows the schedule's shape, not real times"
     )
     return timeline, note
+
+
+def on_logical_devices(timeline: Any, devices: Sequence[str]) -> Any:
+    """Returns ``timeline`` with each event's device the plan's name for its stage
+    ("cpu:1", "cuda:0"), so the chart's rows say which logical device each worker is."""
+    from dataclasses import replace
+
+    from fxpipe.timeline import Timeline
+
+    events = [replace(e, device=devices[e.stage]) for e in timeline.events]
+    return Timeline(events, timeline.num_workers, timeline.kind, timeline.activation_bytes)
 
 
 def _write_timeline(timeline: Any, picture: Path, trace: Path, note: str | None) -> None:
@@ -414,9 +429,10 @@ def _write_timeline(timeline: Any, picture: Path, trace: Path, note: str | None)
     print(f"predicted timeline: {picture}\nChrome trace: {trace} (open in Perfetto or chrome://tracing)")
 
 
-def _out_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _out_dir(folder: Path, prefix: str) -> Callable[[str], Path]:
+    """Creates ``folder``; returns the function naming a file written there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return lambda name: folder / f"{prefix}{name}"
 
 
 if __name__ == "__main__":

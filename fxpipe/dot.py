@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from fxpipe.timeline import _format_seconds
 from passes.annotate import STAGE
 from passes.partition import EDGE, fxpipe_recv, fxpipe_send
 from passes.shape_prop import describe
@@ -128,7 +129,9 @@ class Diagram:
         for link in self.links:
             attrs = []
             if link.label:
-                label = _html(link.label.split("\n"), bold_title=False)
+                # In a top-down drawing the label sits right of its arrow: keep it clear.
+                indent = "\u00a0\u00a0" if self.rankdir == "TB" else ""
+                label = _html([indent + line for line in link.label.split("\n")], bold_title=False)
                 attrs.append(f"label={label}")
             if link.cut:
                 attrs.append(f'color="{CUT_COLOUR}", fontcolor="{CUT_COLOUR}", penwidth=2')
@@ -232,13 +235,17 @@ def _stage_diagram(part: Partitioned) -> Diagram:
     if inputs:
         lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
         diagram.boxes.append(Box("input", lines, shape="io"))
-    flops = stage_flops(part)
-    for stage, stage_flop in zip(part.stages, flops):
+    # The cost model's per-stage prediction, where this fxpipe has one.
+    estimates = part.estimates() if hasattr(part, "estimates") else [None] * part.num_stages
+    flops = [e.flops for e in estimates] if estimates[0] is not None else stage_flops(part)
+    for stage, stage_flop, estimate in zip(part.stages, flops, estimates):
         lines = [f"stage {stage.index} · {stage.device}"]
         lines += _wrap(module_outline(stage.module_paths), 44)
         lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})")
         if stage_flop is not None:
             lines.append(f"{_fmt_flops(stage_flop)} forward per batch")
+        if estimate is not None:
+            lines.append(f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}")
         diagram.boxes.append(Box(f"stage{stage.index}", lines, _FILLS[stage.index % len(_FILLS)], _border(stage.index)))
     if inputs:
         diagram.links.append(Link("input", "stage0"))
