@@ -175,8 +175,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(part.explain())
     drawing = part.draw(out(f"partition.{args.format}"), level=args.level, renderer=args.renderer)
     print(f"\npartition drawing: {drawing}")
-    predicted, note = predicted_timeline(part)
-    _write_timeline(predicted, out("timeline-predicted.png"), out("trace-predicted.json"), note)
+    _write_timeline(on_logical_devices(part.simulate(), part.devices), out("timeline-predicted.png"), out("trace-predicted.json"))
     return 0
 
 
@@ -208,13 +207,11 @@ def run_train(args: argparse.Namespace) -> int:
             optimizer.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item():.4f}", step=f"{time.perf_counter() - started:.3f}s")
     measured = on_logical_devices(pipe.timeline(), pipe.part.devices)
-    predicted, note = predicted_timeline(pipe, measured)
+    predicted = on_logical_devices(pipe.simulate(), pipe.part.devices)
     print()
     print(measured.summary())
     print()
     print(predicted.summary())
-    if note:
-        print(f"note: {note}")
     picture, trace = out("timeline.png"), out("trace-measured.json")
     measured.to_chrome_trace(trace)
     predicted.plot(picture, other=measured, title=f"{pipe.part.model_name}: predicted (top) and measured (bottom)")
@@ -370,44 +367,6 @@ def make_target(loss: str, output: Any, generator: Any) -> Any:
     return torch.randint(0, int(output.shape[1]), shape, generator=generator)
 
 
-def predicted_timeline(target: Any, measured: Any = None) -> tuple[Any, str | None]:
-    """Returns the predicted ``Timeline`` of one step of ``target`` (a Partitioned or a
-    Pipeline) and a note saying how it was made, None when the cost model made it.
-
-    Without a cost model (no ``simulate()``), each stage's forward takes time in
-    proportion to its node count and its backward twice that: 1 ms per node, or, given
-    the ``measured`` timeline, the per-node time that makes both do the same total work.
-    """
-    part = getattr(target, "part", target)
-    if hasattr(target, "simulate"):
-        return on_logical_devices(target.simulate(), part.devices), None
-    from fxpipe.schedules import make_schedule
-    from fxpipe.simulate import simulate
-
-    plan = part.plan
-    nodes = [max(1, s.num_nodes) for s in part.stages]
-    actions = make_schedule(plan.schedule, part.num_stages, plan.microbatches, plan.chunks)
-    per_node = 1e-3
-    busy_per_node = 3 * sum(nodes) * plan.microbatches
-    if measured is not None and measured.step_time > 0:
-        per_node = sum(measured.busy_time(w) for w in range(measured.num_workers)) / busy_per_node
-    deps = sorted({(e.src, e.dst) for e in part.partitioned.edges})
-    timeline = simulate(
-        actions, part.num_stages,
-        forward_time=lambda s, m: nodes[s] * per_node,
-        backward_time=lambda s, m: 2 * nodes[s] * per_node,
-        deps=deps or None,
-    )
-    timeline = on_logical_devices(timeline, part.devices)
-    how = "scaled to the measured total work" if measured is not None else "1 ms per node"
-    note = (
-        "no cost model in this fxpipe (no simulate()): the predicted timeline gives each stage "
-        f"a forward in proportion to its node count and a backward twice that ({how}); "
-        "it shows the schedule's shape, not real times"
-    )
-    return timeline, note
-
-
 def on_logical_devices(timeline: Any, devices: Sequence[str]) -> Any:
     """Returns ``timeline`` with each event's device the plan's name for its stage
     ("cpu:1", "cuda:0"), so the chart's rows say which logical device each worker is."""
@@ -419,11 +378,9 @@ def on_logical_devices(timeline: Any, devices: Sequence[str]) -> Any:
     return Timeline(events, timeline.num_workers, timeline.kind, timeline.activation_bytes)
 
 
-def _write_timeline(timeline: Any, picture: Path, trace: Path, note: str | None) -> None:
+def _write_timeline(timeline: Any, picture: Path, trace: Path) -> None:
     print()
     print(timeline.summary())
-    if note:
-        print(f"note: {note}")
     timeline.plot(picture, title="predicted timeline of one step")
     timeline.to_chrome_trace(trace)
     print(f"predicted timeline: {picture}\nChrome trace: {trace} (open in Perfetto or chrome://tracing)")

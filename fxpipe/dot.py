@@ -6,8 +6,8 @@ Two views of a :class:`~fxpipe.partitioned.Partitioned`:
              its name, what it calls, its module path and its output shape; each cut edge
              runs from a ``send`` to a ``recv`` node and carries the tensor's shape and
              bytes.
-``"stage"``  one box per stage (device, the modules it runs, nodes, parameters, forward
-             FLOPs) and one arrow per pair of communicating stages (how many tensors,
+``"stage"``  one box per stage (device, the modules it runs, nodes, parameters, and the
+             cost model's forward FLOPs, time per micro-batch and memory) and one arrow per pair of communicating stages (how many tensors,
              bytes per batch and per micro-batch), so ResNet-152-sized graphs stay readable.
 
 ``"auto"`` picks the stage view above ``NODE_VIEW_LIMIT`` nodes. A view is first built
@@ -21,7 +21,7 @@ import html
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 LEVELS = ("auto", "node", "stage")
 NODE_VIEW_LIMIT = 400
-COST = "cost"  # node.meta key of the cost pass (passes/cost.py)
 
 # Pastel cluster fills and the stronger border of each, indexed by stage.
 _FILLS = ["#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#e0e7ff", "#ccfbf1", "#fee2e2", "#f3e8ff"]
@@ -235,17 +234,12 @@ def _stage_diagram(part: Partitioned) -> Diagram:
     if inputs:
         lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
         diagram.boxes.append(Box("input", lines, shape="io"))
-    # The cost model's per-stage prediction, where this fxpipe has one.
-    estimates = part.estimates() if hasattr(part, "estimates") else [None] * part.num_stages
-    flops = [e.flops for e in estimates] if estimates[0] is not None else stage_flops(part)
-    for stage, stage_flop, estimate in zip(part.stages, flops, estimates):
+    for stage, estimate in zip(part.stages, part.estimates()):
         lines = [f"stage {stage.index} · {stage.device}"]
         lines += _wrap(module_outline(stage.module_paths), 44)
         lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})")
-        if stage_flop is not None:
-            lines.append(f"{_fmt_flops(stage_flop)} forward per batch")
-        if estimate is not None:
-            lines.append(f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}")
+        lines.append(f"{_fmt_flops(estimate.flops)} forward per batch")
+        lines.append(f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}")
         diagram.boxes.append(Box(f"stage{stage.index}", lines, _FILLS[stage.index % len(_FILLS)], _border(stage.index)))
     if inputs:
         diagram.links.append(Link("input", "stage0"))
@@ -288,48 +282,6 @@ def module_outline(paths: list[str]) -> str:
         else:
             parts.append(f"{top} ({', '.join(kids[:3])}{', …' if len(kids) > 3 else ''})")
     return ", ".join(parts) or "(root)"
-
-
-def stage_flops(part: Partitioned) -> list[float | None]:
-    """Returns each stage's forward FLOPs for the full example batch (None where unknown).
-
-    Sums the cost model's ``node.meta["cost"].fwd_flops`` when the cost pass has run;
-    otherwise counts with ``torch.utils.flop_counter`` on fake tensors (nothing computed,
-    the model untouched).
-    """
-    costs = [(n.meta.get(STAGE, 0), n.meta.get(COST)) for n in part.graph.nodes]
-    if any(cost is not None for _, cost in costs):
-        totals: dict[int, float] = defaultdict(float)
-        for stage, cost in costs:
-            totals[stage] += getattr(cost, "fwd_flops", 0.0)
-        return [totals[s.index] for s in part.stages]
-    return [_count_flops(stage) for stage in part.stages]
-
-
-def _count_flops(stage: Stage) -> int | None:
-    import torch
-    import torch.utils._pytree as pytree
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    module = stage.module
-    values = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-
-            def fresh(t: torch.Tensor) -> torch.Tensor:
-                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, requires_grad=t.requires_grad)
-
-            args = pytree.tree_map_only(torch.Tensor, fresh, values)
-            state: dict[str, Any] = {
-                name: mode.from_tensor(t, static_shapes=True)
-                for name, t in [*module.named_parameters(), *module.named_buffers()]
-            }
-            with FlopCounterMode(display=False) as counter:
-                torch.func.functional_call(module, state, tuple(args), strict=False)
-        return counter.get_total_flops()
-    except Exception:  # noqa: BLE001 - FLOPs are a nicety of the drawing, never its failure
-        return None
 
 
 # ------------------------------------------------------------------- helpers
@@ -379,4 +331,4 @@ def _dot_id(name: str) -> str:
     return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else '"' + name.replace('"', '\\"') + '"'
 
 
-__all__ = ["Box", "Cluster", "Diagram", "Link", "module_outline", "partition_diagram", "partition_dot", "stage_flops"]
+__all__ = ["Box", "Cluster", "Diagram", "Link", "module_outline", "partition_diagram", "partition_dot"]

@@ -11,7 +11,6 @@ import pytest
 import torch
 from test_dot import SkipNet
 
-import fxpipe
 from fxpipe import cli
 
 SMALL_RESNET = ["torchvision:resnet18", "--model-arg", "num_classes=10", "--input", "4x3x32x32"]
@@ -123,15 +122,3 @@ def test_targets_fit_the_loss_and_the_output_shape():
     assert cli.make_target("output", None, generator) is None
     with pytest.raises(cli.CommandError, match="--loss output"):
         cli.make_target("mse", (torch.empty(1),), generator)
-
-
-def test_predicted_timeline_without_a_cost_model_follows_node_counts(monkeypatch):
-    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["head"], schedule="gpipe", microbatches=3)
-    part = fxpipe.partition(SkipNet(), plan, example_inputs=(torch.randn(6, 8),))
-    monkeypatch.delattr(type(part), "simulate", raising=False)
-    timeline, note = cli.predicted_timeline(part)
-    assert "node count" in note
-    nodes = [s.num_nodes for s in part.stages]
-    forward = {e.stage: e.duration for e in timeline.events if e.op == "F"}
-    assert forward[0] / forward[1] == pytest.approx(nodes[0] / nodes[1])
-    assert len(timeline.events) == 2 * 2 * 3
