@@ -119,21 +119,19 @@ def tune(
     example_inputs: tuple | Any,
     loss_fn: Any = None,
     target: Any = None,
-    candidates: Sequence[int] | None = None,
-    measure: int | Sequence[int] = 3,
     plot: str | Path | None = None,
     **options: Any,
 ) -> Plan:
     """The plan with the best micro-batch count: lowest measured step time among the
     measured counts (lowest predicted when ``measure=0``).
 
-    Arguments as for :func:`sweep` (``options`` passes repeats, example_kwargs, profile).
-    ``plot``: write predicted (line) and measured (points) step time against the
-    micro-batch count to this image file. Raises PlanError when no count fits the
+    ``options`` go to :func:`sweep` (candidates, measure, repeats, example_kwargs,
+    profile). ``plot``: write predicted (line) and measured (points) step time against
+    the micro-batch count to this image file. Raises PlanError when no count fits the
     devices' memory, and what :func:`sweep` raises.
     """
     plan = Plan.coerce(plan)
-    points = sweep(model, plan, example_inputs, loss_fn, target, candidates, measure, **options)
+    points = sweep(model, plan, example_inputs, loss_fn, target, **options)
     if plot is not None:
         plot_sweep(points, plot)
     measured = [p for p in points if p.measured_step is not None]

@@ -31,7 +31,7 @@ def test_tune_returns_the_plan_with_the_best_measured_count(tmp_path) -> None:
     path = tmp_path / "tune.png"
     net = model()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    best = fxpipe.tune(net, PLAN, (X,), nn.CrossEntropyLoss(), T, candidates=[1, 4, 16, 64], measure=2, repeats=1, plot=path)
+    best = fxpipe.tune(net, PLAN, (X,), nn.CrossEntropyLoss(), T, plot=path, candidates=[1, 4, 16, 64], measure=2, repeats=1)
     assert isinstance(best, fxpipe.Plan) and best.microbatches in (1, 4, 16, 64)
     assert best.devices == PLAN.devices and best.split == "auto"
     assert path.stat().st_size > 0
