@@ -192,6 +192,7 @@ class LocalExecutor:
                     stage = self.stages[action.stage]
                     if stream is None:
                         stream = WorkerStream(stage.device)
+                    waited = time.perf_counter()
                     with stream.active():
                         if action.op == "F":
                             start = forward(stream, stage, action.microbatch)
@@ -199,7 +200,10 @@ class LocalExecutor:
                             start = backward(stream, stage, action.microbatch)
                     if record:
                         stream.synchronize()
-                        events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, str(stage.device)))
+                        device = str(stage.device)
+                        if start - waited > 1e-4:  # time spent waiting for a value or gradient
+                            events.append(Event(w, action.stage, action.microbatch, "recv", waited - origin, start - origin, device))
+                        events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, device))
                 if stream is not None:
                     stream.synchronize()
             except _Aborted:
