@@ -41,9 +41,11 @@ def test_train_runs_steps_with_a_progress_bar_and_writes_the_measured_timeline(t
     )
     assert done.returncode == 0, done.stderr
     assert "2/2" in done.stderr and "loss=" in done.stderr
-    assert "measured timeline: 2 workers, 8 events" in done.stdout
+    assert "measured timeline: 2 workers" in done.stdout
     trace = json.loads((tmp_path / "trace-measured.json").read_text())["traceEvents"]
-    assert len(trace) == 2 * 2 * 2
+    compute = [e for e in trace if e["name"].startswith(("F", "B"))]
+    assert len(compute) == 2 * 2 * 2  # two stages, forward and backward, two micro-batches
+    assert len(trace) >= len(compute)  # plus the spans where a worker waited (recv)
     assert matplotlib.image.imread(tmp_path / "timeline.png").shape[0] > 100
 
 
