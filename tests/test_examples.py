@@ -1,0 +1,52 @@
+"""Every example in examples/ runs end to end in a reduced size (``--smoke``).
+
+Each script's ``main(argv)`` is called in-process and returns what it measured; the
+assertions pin the behaviour the example demonstrates (pipelined equals eager), not its
+speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _examples_on_path():
+    sys.path.insert(0, str(EXAMPLES))
+    yield
+    sys.path.remove(str(EXAMPLES))
+
+
+def example(name: str):
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("model", ["resnet50", "embedding"])
+def test_device_guard_example_matches_eager_and_falls_back_to_cpu(model, capsys):
+    result = example("device_guard_resnet").main(["--smoke", "--model", model])
+    assert result["grad_difference"] < 1e-4
+    out = capsys.readouterr().out
+    assert "first step: loss" in out and "samples/s" in out
+
+
+def test_one_f_one_b_digits_loss_curves_equal_eager():
+    eager, *pipelined = example("one_f_one_b_digits").main(["--smoke", "--no-progress"])
+    assert [r.label for r in pipelined] == ["1f1b", "interleaved-1f1b"]
+    for run in pipelined:
+        assert len(run.losses) == len(eager.losses) == 2
+        assert run.largest_difference(eager) < 1e-4
+
+
+def test_train_digits_per_step_losses_equal_eager(tmp_path):
+    plot = tmp_path / "loss.png"
+    pipelined, eager = example("train_digits").main(["--smoke", "--no-progress", "--plot", str(plot)])
+    assert len(pipelined.losses) == 4
+    assert pipelined.largest_difference(eager) < 1e-4
+    assert pipelined.accuracies == eager.accuracies
+    assert plot.stat().st_size > 0
