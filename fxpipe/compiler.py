@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.costs import auto_split, ensure_costs
@@ -16,7 +19,7 @@ from fxpipe.profile import Profile
 from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
 from fxpipe.stage import Stage
 from passes import annotate as annotate_pass
-from passes.codegen import build_stage_module, stage_graph
+from passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from passes.partition import partition as partition_pass
 from passes.shape_prop import propagate_shapes
 from passes.trace import trace
@@ -103,7 +106,7 @@ def partition(
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module
     resolve = _resolver(model, traced.root)
-    propagate_shapes(gm, traced.bind_inputs(example_inputs, kwargs), resolve)
+    propagate_shapes(gm, _on_model_device(model, traced.bind_inputs(example_inputs, kwargs)), resolve)
     if profile is not None:
         profile.apply(gm.graph)
     assignment, how = _annotate(gm.graph, plan, model, resolve)
@@ -126,6 +129,17 @@ def partition(
         plan, type(model).__name__, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
         example_inputs, kwargs, list(traced.notes),
     )
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _on_model_device(model: nn.Module, inputs: list) -> list:
+    """Inputs as meta tensors when the model is on the meta device, so shapes propagate."""
+    if not _on_meta(model):
+        return inputs
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
 
 
 def _num_model_inputs(gm) -> int:
@@ -161,6 +175,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Any = None,
     profile: Profile | None = None,
+    weights: Any = None,
 ):
     """Partition ``model`` per ``plan``, place each stage on its device, return a Pipeline.
 
@@ -169,11 +184,29 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     ``.grad`` as eager ``loss_fn(model(x), t).backward()`` does. The user's model is not
     modified. Raises what :func:`partition` raises, and DeviceError when a stage's device
     is not present on this machine.
+
+    Under torchrun (``WORLD_SIZE`` > 1, or an initialised process group of several ranks)
+    it returns a ``fxpipe.distributed.DistributedPipeline`` holding only this rank's
+    stages; a model built on the meta device is then filled per rank from ``weights``
+    (a state dict, a checkpoint path, an init function, or None for the modules' own
+    ``reset_parameters``). See docs/distributed.md.
     """
+    from fxpipe.distributed.layout import requested as distributed_requested
     from fxpipe.pipeline import Pipeline
 
     plan = Plan.coerce(plan)
     part = partition(model, plan, example_inputs, example_kwargs, profile)
+    if distributed_requested():
+        from fxpipe.distributed import DistributedPipeline
+
+        mutated = [mutated_inputs(s.module.graph, lambda t, m=s.module: m.get_submodule(t)) for s in part.stages]
+        return DistributedPipeline(part, model, loss_fn, weights=weights, mutated_inputs=mutated)
+    if _on_meta(model):
+        raise CompileError(
+            f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "
+            "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
+            "or build the model for real"
+        )
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with warnings.catch_warnings():

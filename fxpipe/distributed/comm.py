@@ -107,6 +107,38 @@ def messages_for(
     return ActionMessages(recvs, sends)
 
 
+def in_sender_order(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:
+    """The same plans with receives moved earlier so that, on every (sender → receiver)
+    channel, the receiver posts in the order the sender sends (what NCCL needs).
+
+    Interleaved schedules can make a rank need a message before one its peer sends
+    first; the earlier message's receive is then posted too (its buffer waits until its
+    action runs). Sends never move: they follow their action.
+    """
+    order: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for sender, plan in plans.items():
+        for sends in plan.sends:
+            for msg in sends:
+                order[(sender, msg.peer)].append(msg)
+    result = {}
+    for receiver, plan in plans.items():
+        pointer: dict[int, int] = defaultdict(int)
+        posted: set[tuple] = set()
+        recvs = []
+        for wanted in plan.recvs:
+            group = []
+            for msg in wanted:
+                sender = msg.peer
+                while msg.key not in posted:
+                    early = order[(sender, receiver)][pointer[sender]]
+                    pointer[sender] += 1
+                    posted.add(early.key)
+                    group.append(Message(early.kind, early.edge, early.microbatch, sender, early.leaves))
+            recvs.append(group)
+        result[receiver] = ActionMessages(recvs, plan.sends)
+    return result
+
+
 def fused_groups(messages: ActionMessages) -> list[tuple[list[Message], list[Message]]]:
     """The (sends, recvs) groups a rank posts under NCCL: sends of action k-1 with the
     receives of action k, and a last group with the final sends."""
@@ -119,15 +151,12 @@ def fused_groups(messages: ActionMessages) -> list[tuple[list[Message], list[Mes
     return groups
 
 
-def check_rendezvous(groups_by_rank: dict[int, list[tuple[list[Message], list[Message]]]]) -> None:
-    """Prove that every rank's fused groups complete when ops match in order (NCCL's rule).
+Groups = list[tuple[list[Message], list[Message]]]
 
-    A send from a to b matches the receive on b from a with the same position in the
-    (a → b) channel; a group completes once every op's partner sits in its rank's
-    current group. Raises CommPlanError when two matched ops carry different messages
-    or when no group can complete.
-    """
-    partner: dict[tuple[int, int, int], tuple[int, int]] = {}  # (rank, group, op) -> (rank, group)
+
+def _match(groups_by_rank: dict[int, Groups]) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """(rank, group, op) -> (partner rank, group, op): the n-th send on a channel meets its
+    n-th receive. Raises CommPlanError when they carry different messages."""
     sent: dict[tuple[int, int], list[tuple[int, int, Message]]] = defaultdict(list)
     received: dict[tuple[int, int], list[tuple[int, int, Message]]] = defaultdict(list)
     for rank, groups in groups_by_rank.items():
@@ -136,33 +165,90 @@ def check_rendezvous(groups_by_rank: dict[int, list[tuple[list[Message], list[Me
                 sent[(rank, msg.peer)].append((g, k, msg))
             for k, msg in enumerate(recvs):
                 received[(msg.peer, rank)].append((g, len(sends) + k, msg))
-    for (a, b), outgoing in sent.items():
-        incoming = received.get((a, b), [])
+    partner = {}
+    for (a, b) in set(sent) | set(received):
+        outgoing, incoming = sent.get((a, b), []), received.get((a, b), [])
         if len(incoming) != len(outgoing):
             raise CommPlanError(f"rank {a} sends {len(outgoing)} message(s) to rank {b}, which receives {len(incoming)}")
         for (ga, ka, ma), (gb, kb, mb) in zip(outgoing, incoming):
             if ma.key != mb.key:
                 raise CommPlanError(f"rank {a} sends {ma.key} to rank {b} where rank {b} expects {mb.key}: NCCL would mismatch them")
-            partner[(a, ga, ka)] = (b, gb)
-            partner[(b, gb, kb)] = (a, ga)
+            partner[(a, ga, ka)] = (b, gb, kb)
+            partner[(b, gb, kb)] = (a, ga, ka)
+    return partner
+
+
+def _run(groups_by_rank: dict[int, Groups], partner: dict) -> dict[int, int]:
+    """Each rank's first group that never completes (its length when all do)."""
     position = {rank: 0 for rank in groups_by_rank}
     while True:
         ready = []
         for rank, g in position.items():
             groups = groups_by_rank[rank]
-            if g == len(groups):
-                continue
-            ops = len(groups[g][0]) + len(groups[g][1])
-            if all(position[partner[(rank, g, k)][0]] == partner[(rank, g, k)][1] for k in range(ops)):
+            if g < len(groups) and all(
+                position[partner[(rank, g, k)][0]] >= partner[(rank, g, k)][1] for k in range(len(groups[g][0]) + len(groups[g][1]))
+            ):
                 ready.append(rank)
         if not ready:
-            break
+            return position
         for rank in ready:
             position[rank] += 1
+
+
+def check_rendezvous(groups_by_rank: dict[int, Groups]) -> None:
+    """Prove that every rank's groups complete when ops match in order (NCCL's rule).
+
+    A send from a to b matches the receive on b from a with the same position in the
+    (a → b) channel. A rank's groups run one after the other (one stream); an op completes
+    once its partner's group has started, and a group once all its ops have. Raises
+    CommPlanError when two matched ops carry different messages or when no group can
+    complete.
+    """
+    position = _run(groups_by_rank, _match(groups_by_rank))
     stuck = {r: g for r, g in position.items() if g < len(groups_by_rank[r])}
     if stuck:
         detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
         raise CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+
+
+def nccl_plans(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:
+    """Plans whose fused groups provably complete under NCCL (see :func:`check_rendezvous`).
+
+    Receives follow their senders' order (:func:`in_sender_order`). Where two ranks'
+    groups would still wait on each other (each sends what the other receives only in a
+    later group), the waiting receives move up into the group that is running, which is
+    always possible: a receive only needs its buffer. Raises CommPlanError if a wait
+    cycle involves sends alone.
+    """
+    groups = {r: fused_groups(p) for r, p in in_sender_order(plans).items()}
+    while True:
+        partner = _match(groups)
+        position = _run(groups, partner)
+        stuck = {r: g for r, g in position.items() if g < len(groups[r])}
+        if not stuck:
+            break
+        moved = False
+        for rank, g in stuck.items():
+            for k in range(len(groups[rank][g][0]) + len(groups[rank][g][1])):
+                peer, h, j = partner[(rank, g, k)]
+                head = position[peer]
+                if head >= h or j < len(groups[peer][h][0]):
+                    continue  # already started, or a send (sends stay after their action)
+                target = groups[peer][head][1]
+                for later in range(head + 1, h + 1):
+                    recvs = groups[peer][later][1]
+                    last = j - len(groups[peer][h][0]) if later == h else len(recvs) - 1
+                    take = [m for n, m in enumerate(recvs) if m.peer == rank and n <= last]
+                    target.extend(take)
+                    groups[peer][later] = (groups[peer][later][0], [m for m in recvs if not any(m is t for t in take)])
+                moved = True
+                break
+            if moved:
+                break
+        if not moved:
+            detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
+            raise CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+    return {r: ActionMessages([recvs for _, recvs in groups[r][: len(plans[r].recvs)]], plans[r].sends) for r in plans}
 
 
 def tag_of(msg: Message, leaf: int, num_edges: int) -> int:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
-_GRACE = 2.0  # seconds to wait for a failing peer's own report before blaming the link
+_GRACE = 1.0  # seconds to wait for a failing peer's own report before blaming the link
 
 
 class RankFailedError(RuntimeError):
@@ -59,14 +59,18 @@ class Watchdog:
 
     store: a c10d Store; prefix: this pipeline's key prefix; rank: this process's rank;
     stage_of_rank: a description of the stages each rank runs (for messages);
+    first_stage: the first stage a rank runs (the ``stage`` of errors naming it);
     timeout: seconds a wait may last before the peer it waits on is declared failed.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, stage_of_rank: Callable[[int], str], timeout: float) -> None:
+    def __init__(
+        self, store: Any, prefix: str, rank: int, stage_of_rank: Callable[[int], str], first_stage: Callable[[int], int], timeout: float
+    ) -> None:
         self.store = store
         self.key = f"{prefix}failure"
         self.rank = rank
         self.stage_of_rank = stage_of_rank
+        self.first_stage = first_stage
         self.timeout = timeout
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -113,6 +117,7 @@ class Watchdog:
                     f"rank {self.rank} waited {self.timeout:.0f} s for {what()} from {names}: "
                     "that rank is stuck or dead (raise Plan(timeout=...) if it is only slow)",
                     peers[0],
+                    self.first_stage(peers[0]),
                 )
         if outcome:
             err = outcome[0]
@@ -131,6 +136,7 @@ class Watchdog:
             f"rank {err.peer} ({self.stage_of_rank(err.peer)}) died or dropped its connection "
             f"(seen by rank {self.rank}: {err.cause})",
             err.peer,
+            self.first_stage(err.peer),
         )
         failure.__cause__ = err.cause
         return failure

@@ -69,7 +69,7 @@ class DistributedPipeline:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"fxpipe/{next(_instances)}/"
         check_same_plan(store, prefix, layout.rank, layout.world, self._fingerprint_parts(), self._plan_summary(), plan.timeout)
-        self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, plan.timeout)
+        self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout)
         mesh = make_mesh(layout, self.device)
         self.mesh = mesh
 
@@ -93,8 +93,7 @@ class DistributedPipeline:
         ]
         self._params, self._state = self._names(model, aliases)
         self.executor = RankExecutor(
-            self._rank_stages, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self._recv, self._send,
-            self.watchdog, fused=self.device.type == "cuda", checkpoint=plan.checkpoint, worker=layout.worker,
+            self._rank_stages, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog, fused=self.device.type == "cuda", checkpoint=plan.checkpoint, worker=layout.worker,
         )
         self._tied = TiedGrads(self._tied_groups(model, aliases), lambda: layout.rank, self.watchdog)
         self._averager = None
@@ -108,7 +107,7 @@ class DistributedPipeline:
         self._barrier()
         self._schedules: dict[int, list] = {}
         self._specs: dict[tuple, dict[int, ValueSpec]] = {}
-        self._checked: set[tuple] = set()
+        self._messages: dict[tuple, comm.ActionMessages] = {}
         self._last_events: list = []
         self.training = model.training
 
@@ -212,24 +211,26 @@ class DistributedPipeline:
         actions = self._actions(len(inputs))
         if not train:
             actions = [[a for a in todo if a.op == "F"] for todo in actions]
-        if self.executor.fused and (key, train) not in self._checked:
-            self._check_nccl_order(actions, specs, (key, train))
+        spec = lambda e, i: specs[i][e]  # noqa: E731
+        if (key, train) not in self._messages:
+            self._messages[(key, train)] = self._plan_messages(actions, spec)
         on_done = self._averager.start if (train and self._averager is not None) else None
-        return self.executor.run(
-            actions[self.layout.worker], inputs, lambda e, i: specs[i][e], (key, train), train, loss_of, on_done
-        )
+        return self.executor.run(actions[self.layout.worker], self._messages[(key, train)], inputs, spec, train, loss_of, on_done)
 
-    def _check_nccl_order(self, actions: list, specs: list, key: tuple) -> None:
-        groups = {}
-        for w, todo in enumerate(actions):
-            rank = self.layout.replica * self.layout.workers + w
-            msgs = comm.messages_for(todo, self._recv, self._send, self._edge_ends, self.layout.rank_of_stage, rank, lambda e, i: specs[i][e])
-            groups[rank] = comm.fused_groups(msgs)
+    def _plan_messages(self, actions: list, spec: Any) -> comm.ActionMessages:
+        """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
+        first = self.layout.replica * self.layout.workers
+        ranks = range(first, first + self.layout.workers) if self.executor.fused else [self.layout.rank]
+        plans = {
+            r: comm.messages_for(actions[r - first], self._recv, self._send, self._edge_ends, self.layout.rank_of_stage, r, spec)
+            for r in ranks
+        }
+        if not self.executor.fused:
+            return plans[self.layout.rank]
         try:
-            comm.check_rendezvous(groups)
+            return comm.nccl_plans(plans)[self.layout.rank]
         except comm.CommPlanError as err:
-            raise PlanError(f"plan.schedule={self.plan.schedule!r} cannot run on NCCL in this order: {err}") from err
-        self._checked.add(key)
+            raise PlanError(f"plan.schedule={self.plan.schedule!r} cannot run on NCCL: {err}") from err
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward over micro-batches. Returns the model's output on the ranks holding the

@@ -66,8 +66,6 @@ class RankExecutor:
         rank: int,
         rank_of_stage: Callable[[int], int],
         edge_ends: Sequence[tuple[int, int]],
-        recv_edges: Sequence[Sequence[int]],
-        send_edges: Sequence[Sequence[int]],
         watchdog: Watchdog,
         fused: bool,
         checkpoint: bool = False,
@@ -79,40 +77,28 @@ class RankExecutor:
         self.rank = rank
         self.rank_of_stage = rank_of_stage
         self.edge_ends = list(edge_ends)
-        self.recv_edges = recv_edges
-        self.send_edges = send_edges
         self.watchdog = watchdog
         self.fused = fused
         self.checkpoint = checkpoint
-        self._plans: dict[tuple, comm.ActionMessages] = {}
-
-    def messages(self, actions: Sequence[Action], spec: Callable[[int, int], ValueSpec], key: tuple) -> comm.ActionMessages:
-        """This rank's messages for ``actions`` (cached under ``key``: the step's signatures)."""
-        if key not in self._plans:
-            self._plans[key] = comm.messages_for(
-                actions, self.recv_edges, self.send_edges, self.edge_ends, self.rank_of_stage, self.rank, spec
-            )
-        return self._plans[key]
 
     def run(
         self,
         actions: Sequence[Action],
+        plan: comm.ActionMessages,
         inputs: Sequence[list],
         spec: Callable[[int, int], ValueSpec],
-        key: tuple,
         train: bool,
         loss_of: Callable[[int, Any], torch.Tensor] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
     ) -> RankResult:
         """Run one step of this rank's ``actions``.
 
-        inputs: per micro-batch, the model's flat inputs (used by stage 0); spec(edge, i):
-        the edge's ValueSpec for micro-batch i; key: identifies the signatures (message
-        plan cache); loss_of(i, out): micro-batch i's weighted loss on the last stage;
+        plan: this rank's messages for ``actions`` (see comm); inputs: per micro-batch, the
+        model's flat inputs (used by stage 0); spec(edge, i): the edge's ValueSpec for
+        micro-batch i; loss_of(i, out): micro-batch i's weighted loss on the last stage;
         on_stage_done(s): called after a stage's last backward (data-parallel reduction
         starts there). Raises RankFailedError naming the failing rank and stage.
         """
-        plan = self.messages(actions, spec, key)
         num_edges = len(self.edge_ends)
         result = RankResult()
         local: dict[tuple, Any] = {}  # values between stages of this rank

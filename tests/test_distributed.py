@@ -1,0 +1,337 @@
+"""One process per pipeline worker (gloo on 127.0.0.1): equal to eager, and failing loudly.
+
+Each test starts its processes with ``fxpipe.distributed.launch``; the work runs in
+module-level functions that return what they measured, and the assertions run here.
+Several pipelines share one launch to keep the file fast on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torchvision
+from test_tags_and_edges import Encoder, SkipOverStage, StructuredValues
+from torch import nn
+
+import fxpipe
+from fxpipe import microbatch
+from fxpipe.distributed import LaunchError, PlanMismatchError, RankFailedError, launch
+from fxpipe.distributed.comm import (
+    CommPlanError,
+    Message,
+    check_rendezvous,
+    fused_groups,
+    messages_for,
+    nccl_plans,
+)
+from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, skeleton
+from fxpipe.schedules import make_schedule
+
+CE = nn.CrossEntropyLoss()
+LAUNCH_TIMEOUT = 120
+
+
+def mlp(width: int = 16, depth: int = 4, classes: int = 3) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def eager_reference(model: nn.Module, args: tuple, target: torch.Tensor, m: int) -> tuple[nn.Module, float]:
+    """A copy of ``model`` after eager forward/backward over the pipeline's micro-batches."""
+    ref = copy.deepcopy(model)
+    pieces, sizes = microbatch.split((list(args), target), m)
+    loss_of = microbatch.weighted_loss(CE, lambda out: out, [p[1] for p in pieces], microbatch.loss_weights(sizes, CE))
+    total = 0.0
+    for i, (inputs, _) in enumerate(pieces):
+        loss = loss_of(i, ref(*inputs))
+        loss.backward()
+        total += float(loss)
+    return ref, total
+
+
+def compare(pipe, ref: nn.Module, eager_loss: float, loss: torch.Tensor) -> dict:
+    """This rank's differences to eager: loss, and the largest gradient difference."""
+    expected = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"rank {pipe.rank}: {name} has no gradient"
+        worst = max(worst, float((p.grad - expected[name].grad).abs().max() / (expected[name].grad.abs().max() + 1e-6)))
+    return {"loss_err": abs(float(loss) - eager_loss), "grad_err": worst, "params": [n for n, _ in pipe.named_parameters()]}
+
+
+def check_case(model: nn.Module, plan: dict, args: tuple, target: torch.Tensor, m_eager: int | None = None, **compile_kw) -> dict:
+    plan = fxpipe.Plan(**plan)
+    ref, eager_loss = eager_reference(model, args, target, m_eager or plan.microbatches)
+    pipe = fxpipe.compile(model, plan, example_inputs=args, loss_fn=CE, **compile_kw)
+    loss = pipe.step(*args, target=target)
+    return compare(pipe, ref, eager_loss, loss)
+
+
+# ---------------------------------------------------------------- rank functions
+def two_rank_cases() -> dict:
+    torch.manual_seed(0)
+    out = {}
+    x, t = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    resnet = torchvision.models.resnet18(num_classes=10)
+    for schedule in ("gpipe", "1f1b"):
+        plan = dict(devices=["cpu:0", "cpu:1"], split=["layer3"], schedule=schedule, microbatches=4)
+        out[f"resnet18 {schedule}"] = check_case(resnet, plan, (x,), t)
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["layer2", "layer3", "layer4"], schedule="interleaved-1f1b", chunks=2, microbatches=4)
+    out["resnet18 interleaved"] = check_case(resnet, plan, (x,), t)
+
+    xs, ts = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["b", "c", "out"], schedule="interleaved-1f1b", chunks=2, microbatches=3)
+    out["skip interleaved"] = check_case(SkipOverStage(), plan, (xs,), ts)
+
+    xv, tv = torch.randn(8, 6), torch.randint(0, 2, (8,))
+    plan = dict(devices=["cpu:0", "cpu:1"], microbatches=4, frontend="fx", concrete_args={"extra": None}, leaf_modules=[Encoder])
+    out["structured values"] = check_case(StructuredValues(), plan, (xv,), tv)
+
+    # new input signatures: another batch size, then a short batch with uneven micro-batches
+    net = mlp()
+    pipe = fxpipe.compile(net, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4), example_inputs=(torch.randn(8, 16),), loss_fn=CE)
+    for n in (8, 12, 5, 12):
+        xb, tb = torch.randn(n, 16), torch.randint(0, 3, (n,))
+        pipe.zero_grad()
+        ref, eager_loss = eager_reference(net, (xb,), tb, 4)
+        out[f"mlp batch {n}"] = compare(pipe, ref, eager_loss, pipe.step(xb, target=tb))
+    y = pipe(xb)
+    out["forward"] = None if y is None else float((y - net(xb)).abs().max())
+    out["signatures"] = len(pipe._specs)
+    return out
+
+
+def four_rank_cases() -> dict:
+    torch.manual_seed(0)
+    out = {}
+    xs, ts = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    plan = dict(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split=["b", "c", "out"], schedule="1f1b", microbatches=4)
+    out["skip 1f1b"] = check_case(SkipOverStage(), plan, (xs,), ts)
+    # 2 stages x 2 replicas against eager on the full batch (10 samples: shards of 5, micro-batches of 3 and 2)
+    x, t = torch.randn(10, 16), torch.randint(0, 3, (10,))
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=2, data_parallel=2)
+    out["dp 2x2"] = check_case(mlp(), plan, (x,), t, m_eager=1)
+    plan = dict(devices=["cpu:0"], split=[], microbatches=1, data_parallel=4)
+    out["dp 1x4"] = check_case(mlp(), plan, (x,), t, m_eager=1)
+    return out
+
+
+def meta_cases(path: str) -> dict:
+    torch.manual_seed(0)
+    eager = mlp(width=32, depth=6)
+    eager.load_state_dict(torch.load(path.replace(".safetensors", ".pt")))
+    with torch.device("meta"):
+        model = mlp(width=32, depth=6)
+    x, t = torch.randn(8, 32), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["6"], microbatches=4)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE, weights=path)
+    held = pipe.state_dict()
+    same = all(torch.equal(v, eager.state_dict()[k]) for k, v in held.items())
+    others = [s.index for s in pipe.stages if s.index not in pipe.local_stages]
+    meta_elsewhere = all(p.is_meta for s in others for p in pipe.stages[s].module.parameters())
+    ref, eager_loss = eager_reference(eager, (x,), t, 4)
+    result = compare(pipe, ref, eager_loss, pipe.step(x, target=t))
+    fresh = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)  # the modules' reset_parameters
+    finite = all(bool(torch.isfinite(p).all()) for p in fresh.parameters())
+    return {**result, "same_weights": same, "keys": sorted(held), "meta_elsewhere": meta_elsewhere, "reset_finite": finite}
+
+
+def killed_rank_case(victim: int) -> dict:
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split=["2", "4", "6"], microbatches=4, timeout=20)
+    pipe = fxpipe.compile(mlp(), plan, example_inputs=(x,), loss_fn=CE)
+    pipe.step(x, target=t)
+    if pipe.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=t)
+    except RankFailedError as err:
+        return {"rank": err.rank, "stage": err.stage, "message": str(err), "elapsed": time.monotonic() - start}
+    return {"rank": None, "message": "no error"}
+
+
+def raising_stage_case() -> dict:
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    pipe = fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4, timeout=20), example_inputs=(x,), loss_fn=CE)
+
+    def boom(module, args, output):
+        raise ValueError("boom in stage 1")
+
+    if pipe.rank == 1:
+        pipe.stages[1].module.register_forward_hook(boom)
+    start = time.monotonic()
+    try:
+        pipe.step(x, target=t)
+    except RankFailedError as err:
+        return {"rank": err.rank, "stage": err.stage, "message": str(err), "elapsed": time.monotonic() - start}
+    return {"rank": None, "message": "no error"}
+
+
+def mismatched_plan_case() -> str:
+    rank = int(os.environ["RANK"])
+    x = torch.randn(8, 16)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4 if rank == 0 else 2, timeout=20)
+    try:
+        fxpipe.compile(mlp(), plan, example_inputs=(x,), loss_fn=CE)
+    except PlanMismatchError as err:
+        return str(err)
+    return "no error"
+
+
+# ------------------------------------------------------------------------ tests
+def assert_equal_to_eager(results: dict) -> None:
+    for case, r in results.items():
+        if isinstance(r, dict):
+            assert r["loss_err"] < 1e-5, (case, r)
+            assert r["grad_err"] < 1e-4, (case, r)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ranks() -> None:
+    ranks = launch(two_rank_cases, 2, timeout=LAUNCH_TIMEOUT)
+    for r in ranks:
+        assert_equal_to_eager(r)
+    # each rank holds only its own stages' parameters; together they hold the model's
+    first, second = ranks
+    resnet = [n for n, _ in torchvision.models.resnet18(num_classes=10).named_parameters()]
+    assert not set(first["resnet18 1f1b"]["params"]) & set(second["resnet18 1f1b"]["params"])
+    assert sorted(first["resnet18 1f1b"]["params"] + second["resnet18 1f1b"]["params"]) == sorted(resnet)
+    assert first["forward"] is None and second["forward"] < 1e-5  # outputs live on the last stage
+    assert first["signatures"] == 4  # micro-batches of 2, 3, 2 and 1 samples: one fake run each
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_skip_edges_across_ranks_and_data_parallel_replicas_match_eager_on_four_ranks() -> None:
+    ranks = launch(four_rank_cases, 4, timeout=LAUNCH_TIMEOUT)
+    for r in ranks:
+        assert_equal_to_eager(r)
+    assert ranks[0]["dp 2x2"]["params"] == ranks[2]["dp 2x2"]["params"]  # replicas hold the same stage
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_meta_model_is_materialised_per_rank_from_a_checkpoint(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    eager = mlp(width=32, depth=6)
+    save_file(eager.state_dict(), tmp_path / "mlp.safetensors")
+    torch.save(eager.state_dict(), tmp_path / "mlp.pt")
+    ranks = launch(meta_cases, 2, (str(tmp_path / "mlp.safetensors"),), timeout=LAUNCH_TIMEOUT)
+    for r in ranks:
+        assert r["same_weights"] and r["meta_elsewhere"] and r["reset_finite"], r
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-4, r
+    assert sorted(ranks[0]["keys"] + ranks[1]["keys"]) == sorted(eager.state_dict())
+    assert not set(ranks[0]["keys"]) & set(ranks[1]["keys"])
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_killed_rank_makes_every_other_rank_fail_naming_it_within_the_timeout() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch(killed_rank_case, 4, (2,), timeout=LAUNCH_TIMEOUT)
+    assert list(info.value.errors) == [2], info.value  # only the victim died
+    for rank, r in info.value.results.items():
+        assert (r["rank"], r["stage"]) == (2, 2), (rank, r)
+        assert "rank 2 (stage 2)" in r["message"], (rank, r)
+        assert r["elapsed"] < 20, (rank, r)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_stage_that_raises_is_named_on_every_rank() -> None:
+    for rank, r in enumerate(launch(raising_stage_case, 2, timeout=LAUNCH_TIMEOUT)):
+        assert (r["rank"], r["stage"]) == (1, 1), (rank, r)
+        assert "boom in stage 1" in r["message"] and "F1:0" in r["message"], r
+        assert r["elapsed"] < 20
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_mismatched_plans_are_detected_at_start() -> None:
+    for message in launch(mismatched_plan_case, 2, timeout=LAUNCH_TIMEOUT):
+        assert "rank 1 differs from rank 0 in plan" in message and "microbatches=2" in message, message
+
+
+# ------------------------------------------------- in-process: message plans, specs
+def chain_messages(schedule: str, num_stages: int, m: int, chunks: int = 1) -> dict:
+    actions = make_schedule(schedule, num_stages, m, chunks)
+    workers = len(actions)
+    edges = [(s, s + 1) for s in range(num_stages - 1)]
+    spec = ValueSpec(None, (LeafSpec((2, 4), torch.float32, True),))
+    recv = [[e for e, (_, d) in enumerate(edges) if d == s] for s in range(num_stages)]
+    send = [[e for e, (src, _) in enumerate(edges) if src == s] for s in range(num_stages)]
+    plans = {w: messages_for(todo, recv, send, edges, lambda s: s % workers, w, lambda e, i: spec) for w, todo in enumerate(actions)}
+    return {w: fused_groups(plan) for w, plan in nccl_plans(plans).items()}
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 6, 3), ("interleaved-1f1b", 8, 2)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_fused_send_recv_groups_cannot_deadlock_under_nccl_ordering(schedule: str, stages: int, chunks: int, m: int) -> None:
+    check_rendezvous(chain_messages(schedule, stages, m, chunks))
+
+
+def test_rendezvous_check_reports_a_mismatched_order() -> None:
+    a = Message("act", 0, 0, 1, (0,))
+    b = Message("act", 0, 1, 1, (0,))
+    groups = {0: [([a, b], [])], 1: [([], [Message("act", 0, 1, 0, (0,)), Message("act", 0, 0, 0, (0,))])]}
+    with pytest.raises(CommPlanError, match="mismatch"):
+        check_rendezvous(groups)
+    deadlock = {0: [([], [Message("grad", 0, 0, 1, (0,))]), ([a], [])], 1: [([], [Message("act", 0, 0, 0, (0,))]), ([Message("grad", 0, 0, 0, (0,))], [])]}
+    with pytest.raises(CommPlanError, match="deadlock"):
+        check_rendezvous(deadlock)
+
+
+def test_edge_specs_follow_the_micro_batch_and_keep_non_tensor_values() -> None:
+    x = torch.randn(8, 6)
+    part = fxpipe.partition(StructuredValues(), fxpipe.Plan(microbatches=4, frontend="fx", concrete_args={"extra": None}, leaf_modules=[Encoder]), example_inputs=(x,))
+    ids = {id(e): k for k, e in enumerate(part.partitioned.edges)}
+    recv = [[ids[id(e)] for e in s.inputs] for s in part.stages]
+    send = [[ids[id(e)] for e in s.outputs] for s in part.stages]
+    specs = derive_edge_specs([skeleton(s.module) for s in part.stages], recv, send, [x[:3]], train=True)
+    leaves = [leaf for spec in specs.values() for leaf in spec.leaves]
+    assert None in leaves and 3 in leaves and 6 in leaves  # None, the dict's number, x.size(1)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, LeafSpec)]
+    assert {leaf.shape for leaf in tensors} == {(3, 6)} and torch.bool in {leaf.dtype for leaf in tensors}
+    assert not any(leaf.requires_grad for leaf in tensors if leaf.dtype == torch.bool)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5])
+def test_interleaved_1f1b_in_the_local_executor_matches_eager(m: int) -> None:
+    torch.manual_seed(0)
+    x, t = torch.randn(10, 12), torch.randint(0, 3, (10,))
+    model = SkipOverStage()
+    ref, eager_loss = eager_reference(model, (x,), t, m)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["b", "c", "out"], schedule="interleaved-1f1b", chunks=2, microbatches=m)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)
+    loss = pipe.step(x, target=t)
+    assert abs(float(loss) - eager_loss) < 1e-5
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name].grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_nccl_pipeline_on_two_gpus_matches_eager() -> None:
+    for r in launch(cuda_case, 2, timeout=LAUNCH_TIMEOUT):
+        assert r["loss_err"] < 1e-4 and r["grad_err"] < 1e-3, r
+
+
+def cuda_case() -> dict:
+    torch.manual_seed(0)
+    model = mlp()
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    ref, eager_loss = eager_reference(model, (x,), t, 4)
+    plan = fxpipe.Plan(devices=["cuda:0", "cuda:1"], split=["4"], microbatches=4)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)
+    loss = pipe.step(x.to(pipe.device), target=t.to(pipe.device))
+    expected = dict(ref.named_parameters())
+    worst = max(float((p.grad.cpu() - expected[n].grad).abs().max()) for n, p in pipe.named_parameters())
+    return {"loss_err": abs(float(loss) - eager_loss), "grad_err": worst}
