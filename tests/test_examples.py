@@ -8,6 +8,7 @@ speed.
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,3 +51,25 @@ def test_train_digits_per_step_losses_equal_eager(tmp_path):
     assert pipelined.largest_difference(eager) < 1e-4
     assert pipelined.accuracies == eager.accuracies
     assert plot.stat().st_size > 0
+
+
+def test_model_parallel_sweep_writes_bar_chart_and_sweep_plot(tmp_path):
+    result = example("model_parallel_sweep").main(["--smoke", "--out", str(tmp_path)])
+    assert [p.microbatches for p in result["points"]] == [1, 2, 4]
+    assert all(p.measured_step is not None for p in result["points"])
+    assert result["best"] in (1, 2, 4)
+    assert set(result["results"]) == {"single device", "model parallel", f"pipelined ({result['best']} mb)"}
+    assert (tmp_path / "model-parallel-bars.png").stat().st_size > 0
+    assert (tmp_path / "model-parallel-sweep.png").stat().st_size > 0
+
+
+def test_data_parallel_two_stages_two_replicas_match_eager():
+    # a fresh interpreter: fxpipe.distributed.launch starts one forkserver per process,
+    # and its children must import this example by name
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "data_parallel.py"), "--smoke", "--stages", "2"],
+        capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "world 4: 2 stage(s) x 2 replicas" in done.stdout
+    assert "largest gradient difference over all ranks" in done.stdout
