@@ -19,7 +19,7 @@ import argparse
 import copy
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,19 @@ def stage_devices(n: int) -> list[str]:
     there are enough, the GPUs in turn when fewer, logical CPUs ``cpu:0 … cpu:n-1``
     without CUDA."""
     return default_devices(n)
+
+
+def fallback_devices(tags: Sequence[str]) -> list[str] | None:
+    """Devices for a model tagged with ``tags`` (in stage order) on this machine: None
+    (the tags' own devices) when every tagged GPU exists; the one GPU for every GPU tag
+    when there is one; logical CPU devices ``cpu:0 … cpu:n-1`` without CUDA."""
+    gpus = gpu_count()
+    wanted = [int(t.split(":")[1]) for t in tags if t.startswith(("gpu", "cuda"))]
+    if all(i < gpus for i in wanted):
+        return None
+    if gpus:
+        return [t if t.startswith("cpu") else "cuda:0" for t in tags]
+    return [f"cpu:{i}" for i in range(len(tags))]
 
 
 def limit_threads() -> None:

@@ -30,7 +30,7 @@ import torchvision
 from common import (
     EmbeddingClassifier,
     eager_step,
-    gpu_count,
+    fallback_devices,
     largest_grad_difference,
     limit_threads,
     random_tokens,
@@ -60,17 +60,6 @@ class GuardedResNet50(torchvision.models.ResNet):
             x = self.layer4(self.layer3(x))
             x = torch.flatten(self.avgpool(x), 1)
             return self.fc(x)
-
-
-def fallback_devices(tags: Sequence[str]) -> list[str] | None:
-    """None (the tags' own devices) when every tagged GPU exists; else the devices to use."""
-    gpus = gpu_count()
-    wanted = [int(t.split(":")[1]) for t in tags if t.startswith(("gpu", "cuda"))]
-    if all(i < gpus for i in wanted):
-        return None
-    if gpus:
-        return [t if t.startswith("cpu") else "cuda:0" for t in tags]
-    return [f"cpu:{i}" for i in range(len(tags))]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:

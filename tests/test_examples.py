@@ -73,3 +73,17 @@ def test_data_parallel_two_stages_two_replicas_match_eager():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "world 4: 2 stage(s) x 2 replicas" in done.stdout
     assert "largest gradient difference over all ranks" in done.stdout
+
+
+def test_heterogeneous_placement_keeps_the_table_off_the_small_accelerator(tmp_path):
+    plot = tmp_path / "placement.png"
+    results = example("heterogeneous_placement").main(["--smoke", "--plot", str(plot)])
+    assert [r.name for r in results] == ["one device", "tags", "auto"]
+    one, tags, auto = results
+    assert len(one.stages) == 1 and len(tags.stages) == len(auto.stages) == 2
+    # the table (most of the memory) stays on the host: the accelerator's stage is small
+    assert auto.stages[1].predicted_memory < auto.stages[0].predicted_memory
+    for r in results:
+        for s in r.stages:
+            assert s.measured_time > 0 and s.measured_memory > 0
+    assert plot.stat().st_size > 0
