@@ -100,8 +100,18 @@ class Watchdog:
 
         ``what()`` describes what is awaited (for the timeout message).
         """
+        pending = []
+        for work, peer in works:
+            if not work.is_completed():
+                pending.append((work, peer))
+                continue
+            try:
+                work.wait()  # already done: returns at once, or raises what went wrong
+            except Exception as err:  # noqa: BLE001 - the link to that peer broke
+                raise self._lost(PeerLost(peer, err)) from err
+        works = pending
         if not works:
-            return
+            return  # the common case with prefetched receives: no thread hand-off
         done = threading.Event()
         outcome: list[BaseException] = []
         self._submit((works, done, outcome))
