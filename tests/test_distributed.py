@@ -151,12 +151,17 @@ def killed_rank_case(victim: int) -> dict:
     pipe.step(x, target=t)
     if pipe.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
+    return failure_of(lambda: pipe.step(x, target=t))
+
+
+def failure_of(step) -> dict:
+    """The RankFailedError ``step()`` raises: which rank and stage it names, and how fast."""
     start = time.monotonic()
     try:
-        pipe.step(x, target=t)
+        step()
     except RankFailedError as err:
         return {"rank": err.rank, "stage": err.stage, "message": str(err), "elapsed": time.monotonic() - start}
-    return {"rank": None, "message": "no error"}
+    return {"rank": None, "stage": None, "message": "no error", "elapsed": 0.0}
 
 
 def raising_stage_case() -> dict:
@@ -169,12 +174,7 @@ def raising_stage_case() -> dict:
 
     if pipe.rank == 1:
         pipe.stages[1].module.register_forward_hook(boom)
-    start = time.monotonic()
-    try:
-        pipe.step(x, target=t)
-    except RankFailedError as err:
-        return {"rank": err.rank, "stage": err.stage, "message": str(err), "elapsed": time.monotonic() - start}
-    return {"rank": None, "message": "no error"}
+    return failure_of(lambda: pipe.step(x, target=t))
 
 
 def mismatched_plan_case() -> str:

@@ -79,31 +79,26 @@ def messages_for(
     (src stage, dst stage) per edge; rank_of_stage: the rank holding a stage in this
     replica; spec(edge, micro-batch): the edge's ValueSpec for that micro-batch.
     """
+    def remote(kind: str, edges: Sequence[int], end: int, i: int) -> list[Message]:
+        """Messages for the edges whose other end (``end`` 0: source, 1: destination) is remote."""
+        out = []
+        for e in edges:
+            peer = rank_of_stage(edge_ends[e][end])
+            leaves = spec(e, i).tensors if kind == ACT else spec(e, i).grads
+            if peer != rank and leaves:
+                out.append(Message(kind, e, i, peer, tuple(leaves)))
+        return out
+
     recvs: list[list[Message]] = []
     sends: list[list[Message]] = []
     for action in actions:
         s, i = action.stage, action.microbatch
-        before, after = [], []
         if action.op == "F":
-            for e in recv_edges[s]:
-                src = rank_of_stage(edge_ends[e][0])
-                if src != rank and spec(e, i).tensors:
-                    before.append(Message(ACT, e, i, src, tuple(spec(e, i).tensors)))
-            for e in send_edges[s]:
-                dst = rank_of_stage(edge_ends[e][1])
-                if dst != rank and spec(e, i).tensors:
-                    after.append(Message(ACT, e, i, dst, tuple(spec(e, i).tensors)))
+            recvs.append(remote(ACT, recv_edges[s], 0, i))
+            sends.append(remote(ACT, send_edges[s], 1, i))
         else:
-            for e in send_edges[s]:
-                dst = rank_of_stage(edge_ends[e][1])
-                if dst != rank and spec(e, i).grads:
-                    before.append(Message(GRAD, e, i, dst, tuple(spec(e, i).grads)))
-            for e in recv_edges[s]:
-                src = rank_of_stage(edge_ends[e][0])
-                if src != rank and spec(e, i).grads:
-                    after.append(Message(GRAD, e, i, src, tuple(spec(e, i).grads)))
-        recvs.append(before)
-        sends.append(after)
+            recvs.append(remote(GRAD, send_edges[s], 1, i))
+            sends.append(remote(GRAD, recv_edges[s], 0, i))
     return ActionMessages(recvs, sends)
 
 

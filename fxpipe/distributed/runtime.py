@@ -22,25 +22,23 @@ from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
 from fxpipe.schedules import Action
+from fxpipe.streams import move
 from fxpipe.timeline import Event
 
 
 @dataclass
 class RankStage:
-    """A stage this rank runs: its module on the rank's device and its edges."""
+    """A stage this rank runs: its module on the rank's device and its edges (edge ids:
+    ``recv`` in argument order after the model's inputs, ``send`` in output order).
+    ``mutated_inputs``: argument positions the stage writes into in place."""
 
     index: int
     module: torch.nn.Module
-    recv: list[int]  # edge ids, in argument order after the model inputs (stage 0)
-    send: list[int]  # edge ids, in output order
+    recv: list[int]
+    send: list[int]
     num_model_inputs: int
     is_last: bool
     mutated_inputs: frozenset[int] = frozenset()
-
-    def __call__(self, args: list) -> Any:
-        # a stage that writes into an input in place gets a copy (leaves can't be mutated)
-        args = [a.clone() if k in self.mutated_inputs and isinstance(a, torch.Tensor) else a for k, a in enumerate(args)]
-        return self.module(*args)
 
 
 @dataclass
@@ -108,6 +106,7 @@ class RankExecutor:
         saved: dict[tuple[int, int], tuple] = {}
         last_backward = {a.stage: k for k, a in enumerate(actions) if a.op == "B"}
         grad_enabled = torch.is_grad_enabled()
+        cuda = self.device.type == "cuda"
         origin = time.perf_counter()
 
         def buffers(msg: comm.Message) -> list[torch.Tensor]:
@@ -133,14 +132,14 @@ class RankExecutor:
 
         def forward(k: int, action: Action) -> list:
             stage, i = self.stages[action.stage], action.microbatch
-            args = [_leaf(v, self.device, train) for v in inputs[i]] if stage.index == 0 else []
+            args = [move(v, self.device, detach=True) for v in inputs[i]] if stage.index == 0 else []
             for edge in stage.recv:
-                args.append(_leaf(value_in(comm.ACT, edge, i), self.device, train))
-            rng = _rng_state(self.device) if train and self.checkpoint else None
+                args.append(move(value_in(comm.ACT, edge, i), self.device, detach=True))
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None) if train and self.checkpoint else None
             with torch.set_grad_enabled(grad_enabled and not (train and self.checkpoint)):
-                out = stage(args)
+                out = _call(stage, args)
             if stage.is_last:
-                result.outputs[i] = _detached(out) if train else out
+                result.outputs[i] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out) if train else out
                 if train and loss_of is not None and not self.checkpoint:
                     result.losses[i] = loss_of(i, out)
             if train:
@@ -159,10 +158,12 @@ class RankExecutor:
             stage, i = self.stages[action.stage], action.microbatch
             args, out, rng = saved.pop((stage.index, i))
             if self.checkpoint:
-                with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                    _set_rng_state(self.device, rng)
+                with torch.random.fork_rng(devices=[self.device] if cuda else []):
+                    torch.set_rng_state(rng[0])  # recompute with the forward's random numbers
+                    if cuda:
+                        torch.cuda.set_rng_state(rng[1], self.device)
                     with torch.enable_grad():
-                        out = stage(args)
+                        out = _call(stage, args)
                         if stage.is_last and loss_of is not None:
                             result.losses[i] = loss_of(i, out)
             tensors, grads = [], []
@@ -238,6 +239,11 @@ class RankExecutor:
         )
 
 
+def _call(stage: RankStage, args: list) -> Any:
+    # an argument the stage writes into gets a copy: a leaf that requires grad cannot be mutated
+    return stage.module(*[a.clone() if k in stage.mutated_inputs and isinstance(a, torch.Tensor) else a for k, a in enumerate(args)])
+
+
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
@@ -254,31 +260,7 @@ def _check_shapes(tensors: list[torch.Tensor], value_spec: ValueSpec, msg: comm.
         )
 
 
-def _leaf(value: Any, device: torch.device, train: bool) -> Any:
-    def one(t: torch.Tensor) -> torch.Tensor:
-        out = t.detach().to(device, non_blocking=True)
-        return out.requires_grad_(t.requires_grad and train)
-
-    return pytree.tree_map_only(torch.Tensor, one, value)
-
-
 def _grad_or_zeros(leaf: Any, leaf_spec: Any) -> torch.Tensor:
     if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
         return leaf.grad
     return torch.zeros(leaf_spec.shape, dtype=leaf_spec.dtype, device=leaf.device if isinstance(leaf, torch.Tensor) else "cpu")
-
-
-def _detached(value: Any) -> Any:
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
