@@ -8,6 +8,7 @@ interleaved-1F1B schedule.
 
 from fxpipe.compiler import CompileError, compile, partition
 from fxpipe.devices import DeviceError
+from fxpipe.distributed import DistributedPipeline, RankFailedError
 from fxpipe.executor import PipelineError
 from fxpipe.guard import device_guard
 from fxpipe.microbatch import MicrobatchError
@@ -25,12 +26,14 @@ __all__ = [
     "CompileError",
     "DeviceError",
     "DeviceSpec",
+    "DistributedPipeline",
     "MicrobatchError",
     "Partitioned",
     "Pipeline",
     "PipelineError",
     "Plan",
     "PlanError",
+    "RankFailedError",
     "Profile",
     "Stage",
     "TraceError",
