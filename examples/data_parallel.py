@@ -58,7 +58,7 @@ LOSS_TOLERANCE = 1e-4
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, choices=[1, 2], help="pipeline stages per replica (default: 1 under torchrun, both without)")
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64, help="global batch: each of the 2 replicas takes half")
     parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per replica")
     parser.add_argument("--lr", type=float, default=0.02)

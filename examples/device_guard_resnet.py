@@ -12,8 +12,9 @@ tagged block into a pipeline stage.
 With enough GPUs the tags' devices are used as written; with one GPU both GPU tags share
 it; without CUDA every stage falls back to a logical CPU device (``cpu:0``, ``cpu:1``) via
 ``Plan(devices=...)``, which overrides the tags' devices. Trains on random data with
-momentum SGD over micro-batches (GPipe by default, as Paddle's guide), checks the first
-step's loss and gradients against eager PyTorch, and prints the time of every step.
+momentum SGD over micro-batches (GPipe by default, as Paddle's guide; the same batch
+every step, so the loss falls), checks the first step's loss and gradients against eager
+PyTorch, and prints the time of every step.
 
     .venv/bin/python examples/device_guard_resnet.py [--model resnet50|embedding] [--steps 5]
 """
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--image-size", type=int, default=64, help="resnet50: input images are SIZE x SIZE")
     parser.add_argument("--vocab", type=int, default=200_000, help="embedding: rows of the table")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and batch, two steps (for tests)")
@@ -109,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     if worst > GRAD_TOLERANCE or abs(loss.item() - eager_loss.item()) > GRAD_TOLERANCE:
         raise SystemExit("the pipeline's gradients differ from eager's")
 
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     opt.step()
     times = []
     for step in range(1, args.steps + 1):

@@ -9,7 +9,8 @@ classes) trains on random images with SGD in three ways:
 The number of micro-batches (the tutorial's "split size" is batch / micro-batches) comes
 from ``fxpipe.tune``'s sweep: every count is predicted by the cost model, and each
 candidate is then compiled and timed. Prints the sweep table and the three step times
-(mean ± std over interleaved repeats), and writes a bar chart and the sweep plot as PNGs.
+(median, fastest and slowest of interleaved repeats), and writes a bar chart (median,
+whiskers from fastest to slowest) and the sweep plot as PNGs.
 
 Devices come from ``torch.cuda.device_count()``: two GPUs (or one GPU twice) with CUDA,
 otherwise two logical CPU devices of one intra-op thread each, so "single device" is
@@ -61,13 +62,13 @@ def plot_bars(results: dict[str, list[float]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results)
-    means = [statistics.mean(v) for v in results.values()]
-    stds = [statistics.pstdev(v) for v in results.values()]
-    ax.bar(names, means, yerr=stds, capsize=8, color=["C0", "C1", "C2"], alpha=0.8)
-    for k, mean in enumerate(means):
-        ax.annotate(f"{mean:.2f} s", (k, mean / 2), ha="center", color="white", fontweight="bold")
-    ax.set_ylabel("step time (s), mean ± std")
-    ax.set_ylim(0, max(m + s for m, s in zip(means, stds)) * 1.25)
+    medians = [statistics.median(v) for v in results.values()]
+    whiskers = [[m - min(v) for m, v in zip(medians, results.values())], [max(v) - m for m, v in zip(medians, results.values())]]
+    ax.bar(names, medians, yerr=whiskers, capsize=8, color=["C0", "C1", "C2"], alpha=0.8)
+    for k, median in enumerate(medians):
+        ax.annotate(f"{median:.2f} s", (k, median / 2), ha="center", color="white", fontweight="bold")
+    ax.set_ylabel("step time (s): median, fastest to slowest")
+    ax.set_ylim(0, max(max(v) for v in results.values()) * 1.15)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--candidates", default="1,2,4,8,16,32", help="micro-batch counts to sweep")
     parser.add_argument("--out", default=".", help="folder for model-parallel-bars.png and model-parallel-sweep.png")
     parser.add_argument("--smoke", action="store_true", help="a ResNet-18 on a tiny batch (for tests)")
@@ -140,11 +141,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     for _ in range(args.repeats):
         for name, step in steps.items():
             results[name].append(timed(step))
-    print(f"\nstep time, mean ± std of {args.repeats} steps (forward, backward, SGD):")
-    base = statistics.mean(results["single device"])
+    print(f"\nstep time of {args.repeats} steps each (forward, backward, SGD), in turns:")
+    base = statistics.median(results["single device"])
     for name, times in results.items():
-        mean = statistics.mean(times)
-        print(f"  {name:<22} {mean:.3f} ± {statistics.pstdev(times):.3f} s   {base / mean:.2f}x single device")
+        median = statistics.median(times)
+        print(f"  {name:<22} median {median:.3f} s (fastest {min(times):.3f}, slowest {max(times):.3f})   {base / median:.2f}x single device's speed")
     bars_png = out / "model-parallel-bars.png"
     plot_bars(results, bars_png, f"{arch}, batch {args.batch}, on {devices[0]} vs {' + '.join(devices)}")
     print(f"\nwrote {bars_png} and {sweep_png}")
