@@ -17,7 +17,8 @@ parameters' averaged gradients (exit status 1 above 1e-4). Rank 0 keeps training
 copy and prints both losses every step. They agree to float rounding for the first steps,
 then drift: all-reduce adds the replicas' gradients in another order than eager
 accumulates micro-batches, and this BatchNorm ResNet on small micro-batches amplifies
-rounding (eager alone drifts as much when it merely reorders its own accumulation).
+rounding (eager alone drifts as much when it merely reorders its own accumulation:
+``--eager-drift`` shows it).
 Afterwards the test accuracy; BatchNorm running statistics are per replica (each sees
 its own shard), so evaluation differs a little between replicas and from eager.
 
@@ -63,6 +64,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per replica")
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--smoke", action="store_true", help="two steps on a subset (for tests)")
+    parser.add_argument(
+        "--eager-drift", action="store_true",
+        help="no pipeline: train two eager copies that add the same micro-batch gradients in two orders, print how far they drift",
+    )
     return parser.parse_args(argv)
 
 
@@ -128,6 +133,32 @@ def run(argv: Sequence[str] | None = None) -> dict[str, float]:
     return {"grad_difference": grad_difference, "loss_difference": first_loss_difference, "accuracy": test_accuracy}
 
 
+def eager_drift(args: argparse.Namespace) -> list[float]:
+    """Eager only: two copies of the model on the same batches and micro-batches, one
+    accumulating the second half of each batch first. Returns the largest gradient
+    difference per step: how much this model amplifies a change in rounding alone."""
+    torch.manual_seed(0)
+    data = load_digits(size=32)
+    first = digits_resnet18()
+    second = copy.deepcopy(first)
+    loss_fn = nn.CrossEntropyLoss()
+    opts = [torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9) for m in (first, second)]
+    drift = []
+    m = 2 * args.microbatches
+    for step in range(min(args.steps, 6)):
+        x, t = data.x_train[step * args.batch :][: args.batch], data.y_train[step * args.batch :][: args.batch]
+        half = len(x) // 2
+        for opt in opts:
+            opt.zero_grad()
+        eager_step(first, x, t, loss_fn, m)
+        eager_step(second, torch.cat([x[half:], x[:half]]), torch.cat([t[half:], t[:half]]), loss_fn, m)
+        drift.append(largest_grad_difference(second, first))
+        print(f"step {step}: largest gradient difference between the two orders {drift[-1]:.2e}")
+        for opt in opts:
+            opt.step()
+    return drift
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
     """Under torchrun: this rank's part. Otherwise: launch both worlds locally."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -135,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, float]]:
     from fxpipe.distributed import launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if parse(argv).eager_drift:
+        eager_drift(parse(argv))
+        return []
     chosen = parse(argv).stages
     results = []
     for stages in [chosen] if chosen else [1, 2]:
