@@ -218,8 +218,8 @@ class RankExecutor:
                 previous_sends = sends
             else:
                 post(len(actions), sends)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            if cuda:  # the action's kernels (and the NCCL receives they wait on) finish under the watchdog
+                self.watchdog.wait([(_EventWork(self.device), self.rank)], lambda a=action: f"{a}'s kernels and the messages they wait on")
             result.events.append(
                 Event(self.worker, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, str(self.device))
             )
@@ -237,6 +237,20 @@ class RankExecutor:
             self.rank,
             action.stage,
         )
+
+
+class _EventWork:
+    """The work queued so far on a CUDA stream, shaped like a c10d Work for the watchdog."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(device))
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 def _call(stage: RankStage, args: list) -> Any:
