@@ -36,6 +36,20 @@ CE = nn.CrossEntropyLoss()
 LAUNCH_TIMEOUT = 120
 
 
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's: the two uses end up on different ranks."""
+
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(idx))).mean(1))
+
+
 def mlp(width: int = 16, depth: int = 4, classes: int = 3) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -93,6 +107,9 @@ def two_rank_cases() -> dict:
     xv, tv = torch.randn(8, 6), torch.randint(0, 2, (8,))
     plan = dict(devices=["cpu:0", "cpu:1"], microbatches=4, frontend="fx", concrete_args={"extra": None}, leaf_modules=[Encoder])
     out["structured values"] = check_case(StructuredValues(), plan, (xv,), tv)
+
+    tokens, tt = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8,))
+    out["tied across ranks"] = check_case(TiedLM(), dict(devices=["cpu:0", "cpu:1"], split=["mid"], microbatches=4), (tokens,), tt)
 
     # new input signatures: another batch size, then a short batch with uneven micro-batches
     net = mlp()
@@ -208,6 +225,7 @@ def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ra
     assert sorted(first["resnet18 1f1b"]["params"] + second["resnet18 1f1b"]["params"]) == sorted(resnet)
     assert first["forward"] is None and second["forward"] < 1e-5  # outputs live on the last stage
     assert first["signatures"] == 4  # micro-batches of 2, 3, 2 and 1 samples: one fake run each
+    assert "emb.weight" in first["tied across ranks"]["params"] and "emb.weight" in second["tied across ranks"]["params"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
