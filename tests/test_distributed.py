@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -129,8 +132,9 @@ def four_rank_cases() -> dict:
     torch.manual_seed(0)
     out = {}
     xs, ts = torch.randn(8, 12), torch.randint(0, 3, (8,))
-    plan = dict(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split=["b", "c", "out"], schedule="1f1b", microbatches=4)
-    out["skip 1f1b"] = check_case(SkipOverStage(), plan, (xs,), ts)
+    for schedule in ("gpipe", "1f1b"):
+        plan = dict(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split=["b", "c", "out"], schedule=schedule, microbatches=4)
+        out[f"skip {schedule}"] = check_case(SkipOverStage(), plan, (xs,), ts)
     # 2 stages x 2 replicas against eager on the full batch (10 samples: shards of 5, micro-batches of 3 and 2)
     x, t = torch.randn(10, 16), torch.randint(0, 3, (10,))
     plan = dict(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=2, data_parallel=2)
@@ -353,3 +357,26 @@ def cuda_case() -> dict:
     expected = dict(ref.named_parameters())
     worst = max(float((p.grad.cpu() - expected[n].grad).abs().max()) for n, p in pipe.named_parameters())
     return {"loss_err": abs(float(loss) - eager_loss), "grad_err": worst}
+
+
+SCRIPT = """
+import torch, fxpipe
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+x, t = torch.randn(8, 8), torch.randint(0, 3, (8,))
+pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=4), example_inputs=(x,), loss_fn=torch.nn.CrossEntropyLoss())
+loss = pipe.step(x, target=t)
+print(f"rank {pipe.rank} {type(pipe).__name__} loss {loss.item():.6f}", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_unchanged_script_runs_under_torchrun(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "fxpipe.distributed", "-n", "2", str(script)], capture_output=True, text=True, timeout=170)
+    found = sorted(re.findall(r"rank (\d) (\w+) loss (\d+\.\d{6})", run.stdout))
+    assert run.returncode == 0 and [r for r, _, _ in found] == ["0", "1"], run.stdout + run.stderr
+    assert {kind for _, kind, _ in found} == {"DistributedPipeline"}
+    assert found[0][2] == found[1][2]  # the loss on every rank
