@@ -254,6 +254,19 @@ def eval_forward(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
+def reestimate_batchnorm(modules: Iterable[nn.Module], forward: Callable[[torch.Tensor], Any], images: torch.Tensor, batch_size: int) -> None:
+    """Replace the running statistics of every BatchNorm in ``modules`` by their plain
+    average over ``images``, fed through ``forward`` (a Pipeline or the model) in train
+    mode; the layers keep cumulative averaging (``momentum=None``) afterwards."""
+    norms = [m for module in modules for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    with torch.no_grad():
+        for x in images.split(batch_size):
+            forward(x)
+
+
 def train(
     label: str,
     module: Any,

@@ -12,9 +12,9 @@ tagged block into a pipeline stage.
 With enough GPUs the tags' devices are used as written; with one GPU both GPU tags share
 it; without CUDA every stage falls back to a logical CPU device (``cpu:0``, ``cpu:1``) via
 ``Plan(devices=...)``, which overrides the tags' devices. Trains on random data with
-momentum SGD over micro-batches (GPipe by default, as Paddle's guide; the same batch
-every step, so the loss falls), checks the first step's loss and gradients against eager
-PyTorch, and prints the time of every step.
+momentum SGD over micro-batches (GPipe by default, as Paddle's guide; one random batch,
+used for every step), checks the first step's loss and gradients against eager PyTorch,
+and prints the time of every step.
 
     .venv/bin/python examples/device_guard_resnet.py [--model resnet50|embedding] [--steps 5]
 """

@@ -5,10 +5,11 @@ classes) trains on random images with SGD in three ways:
   single device     eager PyTorch on one device
   model parallel    two stages (cut at ``layer3``) on two devices, one micro-batch: the
                     devices take turns, none overlaps
-  pipelined         the same two stages with the batch cut into micro-batches (1F1B)
-The number of micro-batches (the tutorial's "split size" is batch / micro-batches) comes
-from ``fxpipe.tune``'s sweep: every count is predicted by the cost model, and each
-candidate is then compiled and timed. Prints the sweep table and the three step times
+  pipelined         the same two stages with the batch cut into micro-batches (1F1B):
+                    ``--microbatches`` of them (default 4, split size 8), and the count
+                    ``fxpipe.tune`` picks when that is another (more than one)
+The tutorial's "split size" is batch / micro-batches. ``fxpipe.tune``'s sweep predicts
+every candidate count with the cost model, then compiles and times each. Prints the sweep table and the three step times
 (median, fastest and slowest of interleaved repeats), and writes a bar chart (median,
 whiskers from fastest to slowest) and the sweep plot as PNGs.
 
@@ -64,7 +65,7 @@ def plot_bars(results: dict[str, list[float]], path: Path, title: str) -> None:
     names = list(results)
     medians = [statistics.median(v) for v in results.values()]
     whiskers = [[m - min(v) for m, v in zip(medians, results.values())], [max(v) - m for m, v in zip(medians, results.values())]]
-    ax.bar(names, medians, yerr=whiskers, capsize=8, color=["C0", "C1", "C2"], alpha=0.8)
+    ax.bar(names, medians, yerr=whiskers, capsize=8, color=[f"C{k}" for k in range(len(names))], alpha=0.8)
     for k, median in enumerate(medians):
         ax.annotate(f"{median:.2f} s", (k, median / 2), ha="center", color="white", fontweight="bold")
     ax.set_ylabel("step time (s): median, fastest to slowest")
@@ -81,13 +82,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (after one warm-up)")
     parser.add_argument("--candidates", default="1,2,4,8,16,32", help="micro-batch counts to sweep")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches of the fixed pipelined run")
     parser.add_argument("--out", default=".", help="folder for model-parallel-bars.png and model-parallel-sweep.png")
     parser.add_argument("--smoke", action="store_true", help="a ResNet-18 on a tiny batch (for tests)")
     args = parser.parse_args(argv)
     limit_threads()
     torch.manual_seed(0)
     if args.smoke:
-        args.batch, args.image_size, args.repeats, args.candidates = 8, 32, 1, "1,2,4"
+        args.batch, args.image_size, args.repeats, args.candidates, args.microbatches = 8, 32, 1, "1,2,4", 2
     arch = "resnet18" if args.smoke else "resnet50"
     model = getattr(torchvision.models, arch)(weights=None, num_classes=1000)
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
@@ -115,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     single = torch_device(devices[0])
     eager = copy.deepcopy(model).to(single)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.01)
-    pipes = {
-        "model parallel": fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=loss_fn),
-        f"pipelined ({best} mb)": fxpipe.compile(model, plan.replace(microbatches=best), example_inputs=(x,), loss_fn=loss_fn),
-    }
+    microbatches = {"model parallel": 1, f"pipelined ({args.microbatches} mb)": args.microbatches}
+    if best not in (1, args.microbatches):
+        microbatches[f"pipelined ({best} mb, tuned)"] = best
+    pipes = {name: fxpipe.compile(model, plan.replace(microbatches=m), example_inputs=(x,), loss_fn=loss_fn) for name, m in microbatches.items()}
     optimizers = {name: torch.optim.SGD(p.parameters(), lr=0.01) for name, p in pipes.items()}
 
     def eager_step() -> None:
