@@ -33,6 +33,7 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.placement import alias_groups
 from fxpipe.plan import PlanError
 from fxpipe.schedules import make_schedule
+from fxpipe.streams import move
 
 _instances = itertools.count()
 
@@ -255,7 +256,10 @@ class DistributedPipeline:
         loss_fn = loss_fn or self.loss_fn
         inputs, targets, sizes, total = self._split(args, kwargs, target)
         weights = microbatch.loss_weights(sizes, loss_fn, total=total, scale=self.layout.replicas)
-        loss_of = microbatch.weighted_loss(loss_fn, self.part.build_output, targets, weights) if self.is_last else None
+        loss_of = None
+        if self.is_last:  # the target goes where the last stage's output is
+            targets = [move(tg, self.device, detach=True) for tg in targets]
+            loss_of = microbatch.weighted_loss(loss_fn, self.part.build_output, targets, weights)
         self._tied.before_step()
         result = self._run(inputs, train=True, loss_of=loss_of)
         if self._averager is not None:
