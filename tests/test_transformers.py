@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_grads_match, eager_microbatch_step
 
 import fxpipe
-from conftest import assert_grads_match, eager_microbatch_step
 
 transformers = pytest.importorskip("transformers")
 
