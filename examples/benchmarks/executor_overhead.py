@@ -46,12 +46,13 @@ def median_time(fn: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-def bench(name: str, model: nn.Module, x: torch.Tensor, split: list[str], m: int, repeats: int) -> dict[str, float]:
+def bench(name: str, model: nn.Module, x: torch.Tensor, split: str | list[str], m: int, repeats: int) -> dict[str, float]:
     loss_fn = nn.CrossEntropyLoss()
     t = torch.randint(0, 10, (len(x),))
     eager = copy.deepcopy(model)
     one = fxpipe.compile(model, fxpipe.Plan(devices=["cpu"], split="tags", microbatches=m), example_inputs=(x,), loss_fn=loss_fn)
     two = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=split, schedule="1f1b", microbatches=m), example_inputs=(x,), loss_fn=loss_fn)
+    print(f"  2-stage split: {[s.module_range for s in two.stages]}")
     runs: dict[str, Callable[[], None]] = {
         "eager": lambda: eager_step(eager, x, t, m, loss_fn),
         "1 stage": lambda: one.step(x, target=t),
@@ -78,8 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, micro-batches 4")
-    bench("resnet50 (32x3x64x64)", torchvision.models.resnet50(num_classes=10), torch.randn(32, 3, 64, 64), ["layer3"], 4, args.repeats)
-    bench("mlp 8x1024 (batch 256)", mlp_stack(), torch.randn(256, 1024), ["8"], 4, args.repeats)
+    bench("resnet50 (32x3x64x64)", torchvision.models.resnet50(num_classes=10), torch.randn(32, 3, 64, 64), "auto", 4, args.repeats)
+    bench("mlp 8x1024 (batch 256)", mlp_stack(), torch.randn(256, 1024), "auto", 4, args.repeats)
 
 
 if __name__ == "__main__":
