@@ -61,8 +61,8 @@ def plot_bars(results: dict[str, list[float]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [name.replace(" (", "\n(") for name in results]
     medians = [statistics.median(v) for v in results.values()]
     whiskers = [[m - min(v) for m, v in zip(medians, results.values())], [max(v) - m for m, v in zip(medians, results.values())]]
     ax.bar(names, medians, yerr=whiskers, capsize=8, color=[f"C{k}" for k in range(len(names))], alpha=0.8)
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     base = statistics.median(results["single device"])
     for name, times in results.items():
         median = statistics.median(times)
-        print(f"  {name:<22} median {median:.3f} s (fastest {min(times):.3f}, slowest {max(times):.3f})   {base / median:.2f}x single device's speed")
+        print(f"  {name:<24} median {median:.3f} s (fastest {min(times):.3f}, slowest {max(times):.3f})   {base / median:.2f}x single device's speed")
     bars_png = out / "model-parallel-bars.png"
     plot_bars(results, bars_png, f"{arch}, batch {args.batch}, on {devices[0]} vs {' + '.join(devices)}")
     print(f"\nwrote {bars_png} and {sweep_png}")
