@@ -3,14 +3,17 @@
 Every example imports this module (``from common import ...``; the examples folder is
 on ``sys.path`` when a script in it runs). Nothing here is part of fxpipe's API.
 
-- ``stage_devices(n)``: one device per stage from ``torch.cuda.device_count()``.
+- ``stage_devices(n)``, ``fallback_devices(tags)``: devices from
+  ``torch.cuda.device_count()``, logical CPU devices without CUDA.
 - ``load_digits``: scikit-learn's handwritten digits (they ship with the package), split
   into train and test, optionally upsampled to a larger square image.
-- ``DigitsResNet``, ``DigitsCNN``, ``EmbeddingClassifier``: the models the examples train.
+- ``digits_resnet18``, ``DigitsCNN``, ``EmbeddingClassifier``: the models the examples train.
 - ``eager_step``: eager PyTorch running the same micro-batches one after another, the
   reference every pipelined step is compared with.
 - ``train_pipeline`` / ``train_eager``: the same training loop (``train``) over a
-  pipeline or an eager model, fed the same batches, so their loss curves compare.
+  pipeline or an eager model, fed the same batches, so their loss curves compare;
+  ``add_training_options`` and ``plot_losses`` for the scripts that train.
+- ``reestimate_batchnorm``: BatchNorm statistics recomputed on given images.
 """
 
 from __future__ import annotations
