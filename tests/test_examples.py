@@ -13,15 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _examples_on_path():
+    # the examples set one intra-op thread per process; later tests get back what they had
+    threads = torch.get_num_threads()
     sys.path.insert(0, str(EXAMPLES))
     yield
     sys.path.remove(str(EXAMPLES))
+    torch.set_num_threads(threads)
 
 
 def example(name: str):
