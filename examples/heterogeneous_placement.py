@@ -60,6 +60,7 @@ class StageResult:
     measured_time: float
     predicted_memory: float
     measured_memory: float
+    modules: str = ""
     allocator_peak: float | None = None
 
 
@@ -148,7 +149,7 @@ def measure(name: str, model: nn.Module, plan: fxpipe.Plan, x: torch.Tensor, tar
                 predicted_time=predicted.busy_time(s.index), measured_time=measured.busy_time(s.index),
                 predicted_memory=est.memory,
                 measured_memory=state_bytes(s.module, opt) + in_flight.get(s.index, 0) * activations,
-                allocator_peak=peak,
+                modules=s.module_range, allocator_peak=peak,
             )
         )
     return PlacementResult(name, predicted.step_time, steps[fastest], stages)
@@ -217,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> list[PlacementResult]:
     for name, plan in plans.items():
         result = measure(name, model, plan, x, target, args.repeats)
         results.append(result)
-        cut = fxpipe.partition(model, plan, example_inputs=(x,)).stages
-        print(f"{name}: " + "; ".join(f"stage {s.index} on {s.device}: {s.module_range}" for s in cut))
+        print(f"{name}: " + "; ".join(f"stage {s.stage} on {s.device}: {s.modules}" for s in result.stages))
 
     print(f"\n{'placement':<11} {'stage':>5} {'device':<7} {'time pred':>10} {'time meas':>10} {'mem pred':>10} {'mem meas':>10}  fits")
     for r in results:
