@@ -12,7 +12,8 @@ on ``sys.path`` when a script in it runs). Nothing here is part of fxpipe's API.
   reference every pipelined step is compared with.
 - ``train_pipeline`` / ``train_eager``: the same training loop (``train``) over a
   pipeline or an eager model, fed the same batches, so their loss curves compare;
-  ``add_training_options`` and ``plot_losses`` for the scripts that train.
+  ``add_training_options``, ``training_options`` and ``plot_losses`` for the scripts
+  that train.
 - ``reestimate_batchnorm``: BatchNorm statistics recomputed on given images.
 """
 
@@ -335,6 +336,15 @@ def add_training_options(parser: argparse.ArgumentParser, epochs: int, lr: float
     parser.add_argument("--plot", help="write the pipelined and eager loss curves to this PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--smoke", action="store_true", help="a few steps on a subset of the data (for tests)")
+
+
+def training_options(args: argparse.Namespace, smoke_steps: int) -> dict[str, Any]:
+    """``train``'s keyword arguments from ``add_training_options``' options: with
+    ``--smoke``, one epoch cut after ``smoke_steps`` steps."""
+    return dict(
+        epochs=1 if args.smoke else args.epochs, batch_size=args.batch, show_progress=not args.no_progress,
+        max_steps=smoke_steps if args.smoke else None,
+    )
 
 
 def plot_losses(runs: list[Run], path: str, title: str) -> None:

@@ -30,6 +30,7 @@ from common import (
     stage_devices,
     train_eager,
     train_pipeline,
+    training_options,
 )
 
 import fxpipe
@@ -59,10 +60,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     print(f"digits upsampled to {args.image_size}x{args.image_size}: {len(data.x_train)} train / {len(data.x_test)} test images")
     torch.manual_seed(0)
     model = digits_resnet18()
-    options = dict(
-        epochs=1 if args.smoke else args.epochs, batch_size=args.batch, show_progress=not args.no_progress,
-        max_steps=2 if args.smoke else None,
-    )
+    options = training_options(args, smoke_steps=2)
     sgd = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9)  # noqa: E731
     schedules = ["1f1b", "interleaved-1f1b"] if args.schedule == "both" else [args.schedule]
     eager = train_eager("eager", model, stage_devices(2)[-1], args.microbatches, data, sgd, **options)

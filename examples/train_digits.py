@@ -26,6 +26,7 @@ from common import (
     stage_devices,
     train_eager,
     train_pipeline,
+    training_options,
 )
 
 import fxpipe
@@ -46,10 +47,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[Run, Run]:
     print(f"digits: {len(data.x_train)} train / {len(data.x_test)} test 8x8 images; {plan.devices}, 1F1B, {plan.microbatches} micro-batches")
     torch.manual_seed(0)
     model = DigitsCNN()
-    options = dict(
-        epochs=1 if args.smoke else args.epochs, batch_size=args.batch, show_progress=not args.no_progress,
-        max_steps=4 if args.smoke else None,
-    )
+    options = training_options(args, smoke_steps=4)
     adam = lambda params: torch.optim.Adam(params, lr=args.lr)  # noqa: E731
     pipe, pipelined = train_pipeline("1F1B, 2 stages", model, plan, data, adam, **options)
     eager = train_eager("eager", model, plan.devices[-1], plan.microbatches, data, adam, **options)
