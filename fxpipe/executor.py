@@ -47,6 +47,7 @@ class RuntimeStage:
     send: list[tuple[int, int]]
     is_last: bool
     mutated_inputs: frozenset[int] = frozenset()
+    name: str = ""  # the logical device ("cpu:1") shown in timelines
 
     def __call__(self, args: list) -> Any:
         # a stage that writes into its input in place gets a copy (a leaf can't be mutated)
@@ -200,7 +201,7 @@ class LocalExecutor:
                             start = backward(stream, stage, action.microbatch)
                     if record:
                         stream.synchronize()
-                        device = str(stage.device)
+                        device = stage.name or str(stage.device)
                         if start - waited > 1e-4:  # time spent waiting for a value or gradient
                             events.append(Event(w, action.stage, action.microbatch, "recv", waited - origin, start - origin, device))
                         events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, device))

@@ -59,6 +59,7 @@ class Pipeline:
                     recv=[(edge_ids[id(e)], e.src) for e in stage.inputs],
                     send=[(edge_ids[id(e)], e.dst) for e in stage.outputs],
                     is_last=stage.index == last,
+                    name=stage.device,
                     mutated_inputs=mutated_inputs(stage.module.graph, lambda t, m=stage.module: m.get_submodule(t)),
                 )
             )

@@ -380,3 +380,36 @@ def test_an_unchanged_script_runs_under_torchrun(tmp_path) -> None:
     assert run.returncode == 0 and [r for r, _, _ in found] == ["0", "1"], run.stdout + run.stderr
     assert {kind for _, kind, _ in found} == {"DistributedPipeline"}
     assert found[0][2] == found[1][2]  # the loss on every rank
+
+
+def rank_tensor() -> dict:
+    return {"rank": int(os.environ["RANK"]), "value": torch.arange(3.0) * int(os.environ["RANK"])}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_launch_returns_tensors_from_every_rank() -> None:
+    results = launch(rank_tensor, 2, timeout=LAUNCH_TIMEOUT)
+    assert [r["rank"] for r in results] == [0, 1]
+    torch.testing.assert_close(results[1]["value"], torch.tensor([0.0, 1.0, 2.0]))
+
+
+def replicas_with_batchnorm() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x, t = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    pipe = fxpipe.compile(model, fxpipe.Plan(data_parallel=2, microbatches=2), example_inputs=(x,), loss_fn=CE)
+    pipe.step(x, target=t)
+    # what each replica saw: its half of the batch, cut into two micro-batches
+    shard = x[4:] if int(os.environ["RANK"]) else x[:4]
+    ref = copy.deepcopy(model)
+    for piece in shard.tensor_split(2):
+        ref(piece)
+    state = pipe.state_dict()
+    return {"mean": state["1.running_mean"], "own": ref.state_dict()["1.running_mean"]}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_batchnorm_statistics_are_averaged_over_replicas() -> None:
+    first, second = launch(replicas_with_batchnorm, 2, timeout=LAUNCH_TIMEOUT)
+    torch.testing.assert_close(first["mean"], second["mean"])
+    torch.testing.assert_close(first["mean"], (first["own"] + second["own"]) / 2)

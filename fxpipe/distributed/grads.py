@@ -5,6 +5,8 @@
   backward of the step, its gradients are flattened into buckets and all-reduced
   asynchronously along the mesh's ``"dp"`` dimension, overlapping the rest of the
   schedule; :meth:`GradAverager.finish` waits and writes the averages back.
+- **Buffers.** Floating-point buffers (BatchNorm running statistics) are averaged over
+  the replicas after every training step, so replicas never drift apart in eval mode.
 - **Weights tied across ranks** (an embedding and an LM head on different stages): every
   holder keeps a copy; after the step the copies' new gradients are summed within the
   replica, so each copy gets what eager sums, and identical updates keep them equal.
@@ -73,6 +75,18 @@ class GradAverager:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
+
+
+def average_buffers(buffers: list[torch.Tensor], group: dist.ProcessGroup, size: int, peer: Callable[[], int], watchdog: Watchdog) -> None:
+    """Average floating-point buffers (BatchNorm running statistics) over the replicas, so
+    every replica evaluates alike, as one model trained on the whole batch would."""
+    if not buffers:
+        return
+    flat = _flatten_dense_tensors(buffers)
+    watchdog.wait([(dist.all_reduce(flat, group=group, async_op=True), peer())], lambda: "the buffer all-reduce")
+    flat.div_(size)
+    for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
+        buffer.copy_(value)
 
 
 class TiedGrads:

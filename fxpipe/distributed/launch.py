@@ -13,6 +13,7 @@ launcher (``torch.distributed.run --standalone``).
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -42,7 +43,10 @@ def _child(fn: Callable, args: tuple, env: dict[str, str], threads: int, conn: A
     torch.set_num_threads(threads)
     try:
         result = fn(*args)
-        conn.send(("ok", result))
+        # serialised here: tensors sent as shared memory would need this process alive
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        conn.send(("ok", buffer.getvalue()))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}"))
     finally:
@@ -126,7 +130,9 @@ def launch(
                 errors[rank] = f"rank {rank} died (exit code {procs[rank].exitcode}) before reporting"
                 continue
             if status == "ok":
-                results[rank] = value
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
     for rank in waiting.values():

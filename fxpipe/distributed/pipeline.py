@@ -24,7 +24,7 @@ from torch import nn
 from fxpipe import microbatch
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog, check_same_plan
-from fxpipe.distributed.grads import GradAverager, TiedGrads
+from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor, RankStage
@@ -98,8 +98,10 @@ class DistributedPipeline:
         )
         self._tied = TiedGrads(self._tied_groups(model, aliases), lambda: layout.rank, self.watchdog)
         self._averager = None
+        self._dp_group = None
+        self._float_buffers = [b for st in self.local_stages for b in modules[st].buffers() if b.is_floating_point()]
         if layout.replicas > 1:
-            dp_group = mesh.get_group("dp")
+            dp_group = self._dp_group = mesh.get_group("dp")
             self._broadcast_from_first_replica(dp_group)
             self._averager = GradAverager(
                 {s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas,
@@ -264,6 +266,8 @@ class DistributedPipeline:
         result = self._run(inputs, train=True, loss_of=loss_of)
         if self._averager is not None:
             self._averager.finish()
+            with torch.no_grad():
+                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, lambda: self.layout.rank, self.watchdog)
         self._tied.after_step()
         self._last_events = result.events
         loss = torch.zeros((), device=self.device)
