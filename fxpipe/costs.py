@@ -47,12 +47,13 @@ OPTIMIZER_STATES = 2  # Adam's two moments; SGD with momentum holds 1
 MEASURED = "measured_time"
 # FLOPs per byte of memory traffic at which a device turns from memory- to compute-bound.
 _BALANCE = {"cpu": 8.0, "cuda": 30.0}
-# Passes over a layer's weights per forward and per backward. On the CPU, oneDNN reorders
-# weights into its blocked layout on every call and the backward writes a full-size weight
-# gradient that autograd then accumulates; measured on ResNet-50's layer3/layer4 (1 thread,
-# micro-batches 4 and 16): forward ~0.4 ns and backward ~1.2-1.7 ns per weight byte,
-# whatever the batch, i.e. these many passes at the CPU's memory bandwidth.
-_WEIGHT_PASSES = {"cpu": (4.0, 12.0), "cuda": (1.0, 3.0)}
+# Passes over a layer's weights per forward and per backward: reading them, and in
+# backward also writing the weight gradient that autograd then accumulates (1 and 3).
+# CPU convolutions cost more: oneDNN re-lays-out the weights on every call; measured on
+# ResNet-50's layer3/layer4 (1 thread, micro-batches 4 and 16): forward ~0.4 ns and
+# backward ~1.2-1.7 ns per weight byte whatever the batch, i.e. 4 and 12 passes.
+_DENSE_WEIGHT_PASSES = (1.0, 3.0)
+_CONV_WEIGHT_PASSES = {"cpu": (4.0, 12.0), "cuda": (1.0, 3.0)}
 # Seconds of fixed cost per op (Python dispatch on CPU, kernel launch on GPU).
 _OP_OVERHEAD = {"cpu": 15e-6, "cuda": 10e-6}
 
@@ -106,13 +107,13 @@ class DeviceModel:
     spec: DeviceSpec
     memory_bandwidth: float
     op_overhead: float
-    weight_passes: tuple[float, float] = (1.0, 3.0)
+    conv_weight_passes: tuple[float, float] = (1.0, 3.0)
 
     @classmethod
     def of(cls, plan: Plan, device: str) -> DeviceModel:
         spec = spec_for(plan, device)
         kind = _kind(device)
-        return cls(device, spec, spec.flops / _BALANCE[kind], _OP_OVERHEAD[kind], _WEIGHT_PASSES[kind])
+        return cls(device, spec, spec.flops / _BALANCE[kind], _OP_OVERHEAD[kind], _CONV_WEIGHT_PASSES[kind])
 
     def node_times(self, cost: NodeCost, fraction: float, measured: MeasuredTime | None = None, measured_on: DeviceModel | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of a node on a micro-batch ``fraction`` of the example batch."""
@@ -121,7 +122,7 @@ class DeviceModel:
             fwd = self.op_overhead + max(measured.forward - measured_on.op_overhead, 0.0) * fraction * ratio
             bwd = self.op_overhead + max(measured.backward - measured_on.op_overhead, 0.0) * fraction * ratio if measured.backward else 0.0
             return fwd, bwd
-        weights_fwd, weights_bwd = self.weight_passes
+        weights_fwd, weights_bwd = self.conv_weight_passes if cost.convolution else _DENSE_WEIGHT_PASSES
         moved = cost.act_bytes_moved * fraction + cost.buffer_bytes
         fwd = self.op_overhead + max(cost.fwd_flops * fraction / self.spec.flops, (moved + weights_fwd * cost.param_bytes) / self.memory_bandwidth)
         bwd = 0.0

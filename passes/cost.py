@@ -44,7 +44,8 @@ class NodeCost:
     upstream needs a gradient); act_bytes_moved: activation bytes read plus written by
     the forward; param_bytes: trainable parameters (each also has a gradient and
     optimizer state); buffer_bytes: buffers and frozen tensors; activation_bytes: the
-    output a backward may need kept; exact: False when FLOPs are the fallback estimate.
+    output a backward may need kept; exact: False when FLOPs are the fallback estimate;
+    convolution: the node is a convolution (CPU libraries re-layout its weights per call).
     """
 
     fwd_flops: float = 0.0
@@ -54,6 +55,7 @@ class NodeCost:
     buffer_bytes: int = 0
     activation_bytes: int = 0
     exact: bool = True
+    convolution: bool = False
 
     @property
     def state_bytes(self) -> int:
@@ -187,7 +189,14 @@ def annotate_costs(graph: fx.Graph, resolve: Callable[[str], Any]) -> None:
             buffer_bytes=frozen,
             activation_bytes=sum(t.numel() * t.element_size() for t in fresh),
             exact=exact,
+            convolution=_is_convolution(node, resolve),
         )
+
+
+def _is_convolution(node: fx.Node, resolve: Any) -> bool:
+    if node.op == "call_module":
+        return isinstance(resolve(node.target), torch.nn.modules.conv._ConvNd)
+    return node.op == "call_function" and "conv" in getattr(node.target, "__name__", str(node.target))
 
 
 def cost_of(node: fx.Node) -> NodeCost:
