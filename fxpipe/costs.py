@@ -60,11 +60,13 @@ _OP_OVERHEAD = {"cpu": 15e-6, "cuda": 10e-6}
 
 @dataclass(frozen=True)
 class MeasuredTime:
-    """A node's measured forward and backward seconds at the example batch on ``device``."""
+    """A node's measured forward and backward seconds on ``device``, at ``batch_fraction``
+    of the example batch (the plan's micro-batch when profiled by ``fxpipe.profile``)."""
 
     forward: float
     backward: float
     device: str
+    batch_fraction: float = 1.0
 
 
 def _kind(device: str) -> str:
@@ -118,9 +120,10 @@ class DeviceModel:
     def node_times(self, cost: NodeCost, fraction: float, measured: MeasuredTime | None = None, measured_on: DeviceModel | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of a node on a micro-batch ``fraction`` of the example batch."""
         if measured is not None and measured_on is not None:
-            ratio = measured_on.spec.flops / self.spec.flops
-            fwd = self.op_overhead + max(measured.forward - measured_on.op_overhead, 0.0) * fraction * ratio
-            bwd = self.op_overhead + max(measured.backward - measured_on.op_overhead, 0.0) * fraction * ratio if measured.backward else 0.0
+            # times scale with the batch only away from the size they were measured at
+            ratio = measured_on.spec.flops / self.spec.flops * fraction / measured.batch_fraction
+            fwd = self.op_overhead + max(measured.forward - measured_on.op_overhead, 0.0) * ratio
+            bwd = self.op_overhead + max(measured.backward - measured_on.op_overhead, 0.0) * ratio if measured.backward else 0.0
             return fwd, bwd
         weights_fwd, weights_bwd = self.conv_weight_passes if cost.convolution else _DENSE_WEIGHT_PASSES
         moved = cost.act_bytes_moved * fraction + cost.buffer_bytes

@@ -1,8 +1,10 @@
 """``fxpipe.profile``: measured forward and backward seconds per node, for the cost model.
 
 The model is traced as ``fxpipe.compile`` traces it (same node names), copied onto the
-device, and every compute node is replayed alone on its real inputs: forward, then the
-backward of its outputs, each the fastest of ``repeats`` runs. Passing the result as
+device, and every compute node is replayed alone on its real inputs, cut to the plan's
+micro-batch (CPU kernels do not scale linearly with the batch, and weight-bound layers
+hardly at all): forward, then the backward of its outputs with the weight gradients
+accumulated as in training, each the fastest of ``repeats`` runs. Passing the result as
 ``fxpipe.partition(..., profile=p)`` (or ``compile``) makes ``split="auto"``, the summary
 and ``simulate()`` use these times instead of the FLOP estimates. The user's model is not
 touched (a copy runs, so BatchNorm statistics stay as they were).
@@ -23,6 +25,7 @@ from torch import nn
 
 from fxpipe.costs import MEASURED, MeasuredTime, lookup
 from fxpipe.devices import check_available, normalize_device, torch_device
+from fxpipe.microbatch import split
 from fxpipe.plan import Plan
 from passes.annotate import COMPUTE_OPS
 from passes.trace import trace
@@ -108,6 +111,8 @@ def profile(
         return v.to(where) if isinstance(v, torch.Tensor) else v
 
     inputs = [pytree.tree_map(to_device, v) for v in traced.bind_inputs(example_inputs, kwargs)]
+    pieces, sizes = split(inputs, plan.microbatches)
+    inputs, fraction = pieces[0], sizes[0] / sum(sizes)
     result = Profile(device)
     env: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
@@ -117,11 +122,11 @@ def profile(
         elif node.op == "get_attr":
             env[node] = resolve(node.target)
         elif node.op in COMPUTE_OPS:
-            env[node], result.times[node.name] = _time_node(node, env, resolve, repeats, where, device)
+            env[node], result.times[node.name] = _time_node(node, env, resolve, repeats, where, device, fraction)
     return result
 
 
-def _time_node(node: fx.Node, env: dict, resolve, repeats: int, where: torch.device, device: str) -> tuple[Any, MeasuredTime]:
+def _time_node(node: fx.Node, env: dict, resolve, repeats: int, where: torch.device, device: str, fraction: float) -> tuple[Any, MeasuredTime]:
     def fresh_args() -> tuple[tuple, dict, list[torch.Tensor]]:
         leaves: list[torch.Tensor] = []
 
@@ -168,9 +173,9 @@ def _time_node(node: fx.Node, env: dict, resolve, repeats: int, where: torch.dev
 
             def backward() -> None:
                 o, wrt = next(pending)
-                if wrt:
-                    torch.autograd.grad(o, wrt, [torch.ones_like(t) for t in o], allow_unused=True)
+                if wrt:  # into .grad, as a training step accumulates weight gradients
+                    torch.autograd.backward(o, [torch.ones_like(t) for t in o], inputs=wrt)
 
             bwd, _ = _fastest(backward, repeats, where)
     value = pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
-    return value, MeasuredTime(fwd, bwd, device)
+    return value, MeasuredTime(fwd, bwd, device, fraction)

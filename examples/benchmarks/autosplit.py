@@ -122,7 +122,7 @@ def compare(name: str, model: nn.Module, x, target, loss_fn, stages: int, repeat
     devices = [f"cpu:{i}" for i in range(stages)]
     base = fxpipe.Plan(devices=devices, split="auto", microbatches=microbatches)
     auto = fxpipe.partition(model, base, example_inputs=(x,))
-    profile = fxpipe.profile(model, (x,), device="cpu", repeats=2)
+    profile = fxpipe.profile(model, (x,), device="cpu", plan=base, repeats=2)  # timed at the micro-batch
     plans = {
         "auto": (base, None),
         "auto+prof": (base, profile),
