@@ -27,8 +27,11 @@ test: $(STAMP)
 	$(BIN)/ruff check fxpipe passes tests examples
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
 
+# every figure in docs/results.md's benchmark sections (about 5 minutes on 2 cores)
 bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
+	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png
+	$(BIN)/python examples/benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
