@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,9 @@ class Pipeline:
             Stage(s.index, s.device, module, s.inputs, s.outputs, s.reason, s.model_inputs, s.module_paths)
             for s, module in zip(part.stages, self._placement.modules)
         ]
+        # from here on the partition describes the placed stages: nothing in the pipeline
+        # refers to the user's modules, which can be freed
+        self.part = dataclasses.replace(part, stages=self.stages)
         self._executor = LocalExecutor(self._runtime_stages(devices), checkpoint=self.plan.checkpoint)
         self._schedules: dict[int, list] = {}
         self._last_events: list = []

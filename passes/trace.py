@@ -176,24 +176,18 @@ def _trace_fx(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Mapp
         # the root (``_tensor_constant0``) are copied into the GraphModule
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     signature = inspect.signature(model.forward)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # names and defaults only: the pipeline must not keep the traced graph (and through it
+    # the model's modules) alive
+    placeholders = [(n.target.lstrip("*"), n.args[0] if n.args else None) for n in graph.nodes if n.op == "placeholder"]
+    model_name = type(model).__name__
 
     def bind_inputs(args: tuple, kwargs: dict) -> list:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"inputs do not match {type(model).__name__}.forward{signature}: {err}") from None
+            raise TypeError(f"inputs do not match {model_name}.forward{signature}: {err}") from None
         bound.apply_defaults()
-        values = []
-        for node in placeholders:
-            name = node.target.lstrip("*")
-            if name in bound.arguments:
-                values.append(bound.arguments[name])
-            elif node.args:
-                values.append(node.args[0])
-            else:
-                values.append(None)
-        return values
+        return [bound.arguments.get(name, default) for name, default in placeholders]
 
     return Traced(gm, gm, "fx", bind_inputs, lambda out: out)
 

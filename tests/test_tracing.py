@@ -101,3 +101,20 @@ def test_pipeline_output_supports_autograd() -> None:
     pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=3), example_inputs=(x,))
     pipe(x).sum().backward()  # not pipelined, but differentiable
     assert all(p.grad is not None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_pipeline_keeps_no_reference_to_the_users_model(frontend: str) -> None:
+    import gc
+    import weakref
+
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(4, 3, 32, 32)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["layer3"], microbatches=2, frontend=frontend)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
+    alive = [weakref.ref(m) for m in (model, model.layer3, model.fc)]
+    del model
+    gc.collect()
+    assert all(ref() is None for ref in alive), "the pipeline keeps the user's modules alive"
+    assert torch.isfinite(pipe.step(x, target=torch.randint(0, 10, (4,))))
+    assert "layer3" in pipe.summary()
