@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -148,13 +147,7 @@ class Pipeline:
             module.zero_grad(set_to_none=set_to_none)
 
     def train(self, mode: bool = True) -> Pipeline:
-        """Set train/eval mode on every stage (fx graphs only: export bakes the mode in)."""
-        if mode != self.training and self.frontend == "export":
-            warnings.warn(
-                "fxpipe: this pipeline was traced with torch.export, which fixes train/eval "
-                "behaviour (BatchNorm, Dropout) at trace time; compile model.eval() separately for inference",
-                stacklevel=2,
-            )
+        """Set train/eval mode on every stage, as ``model.train(mode)`` does eagerly."""
         self.training = mode
         for module in self._placement.modules:
             module.train(mode)

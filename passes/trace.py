@@ -35,6 +35,7 @@ from torch import nn
 from torch.fx import _pytree as fx_pytree
 
 from fxpipe.guard import tracing
+from passes.mode import bind_mode
 
 
 class TraceError(RuntimeError):
@@ -232,6 +233,7 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
         # export's input-guard check: shapes are checked by fxpipe itself per micro-batch
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
+    bind_mode(graph, unlifted)
     graph.lint()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
     signature = inspect.signature(model.forward)

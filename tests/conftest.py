@@ -62,9 +62,8 @@ def check_pipeline_matches_eager(
     ref_loss = eager_microbatch_step(ref, inputs, target, loss_fn, plan.microbatches)
     torch.testing.assert_close(loss.cpu(), ref_loss, rtol=rtol, atol=atol)
     assert_grads_match(pipe, ref, rtol, atol)
-    if pipe.frontend == "fx":  # export bakes train/eval mode into the graph at trace time
-        pipe.eval()
-        ref.eval()
+    pipe.eval()  # under export too: the mode pass makes BatchNorm/Dropout follow it
+    ref.eval()
     with torch.no_grad():
         if ref.training:
             sizes = split_sizes(inputs[0].shape[0], plan.microbatches)

@@ -108,3 +108,19 @@ def test_attention_mask_crosses_stages() -> None:
         total += piece.detach()
     torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-6)
     assert_grads_match(pipe, ref)
+
+
+def test_export_pipeline_follows_train_and_eval_like_the_model() -> None:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, use_cache=False,
+    )
+    model = transformers.GPT2LMHeadModel(config)  # traced in train mode: dropout active
+    ids = torch.randint(0, VOCAB, (4, 8))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["transformer.h.1"], microbatches=2)
+    pipe = fxpipe.compile(model, plan, example_inputs=(ids,))
+    assert pipe.frontend == "export" and "fxpipe_training" in pipe.stages[0].module.code
+    assert not torch.equal(pipe(ids).logits, pipe(ids).logits)  # dropout draws
+    pipe.eval()
+    model.eval()
+    torch.testing.assert_close(pipe(ids).logits, model(ids).logits.detach())
