@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.schedules import Action
-from fxpipe.streams import WorkerStream, move
+from fxpipe.streams import WorkerStream, carries_grad, move, wants_grad
 from fxpipe.timeline import Event
 
 
@@ -146,9 +146,14 @@ class LocalExecutor:
             if train:
                 saved[(stage.index, i)] = (args, out, rng)
             if not stage.is_last:
+                sent = out
+                if train and self.checkpoint and wants_grad(stage.module, args):
+                    # computed without autograd: tell consumers which values will carry a
+                    # gradient once the stage recomputes them in backward
+                    sent = [carries_grad(v) for v in out]
                 event = stream.record()
                 for k, (edge, _dst) in enumerate(stage.send):
-                    box.put(("act", edge, i), out[k], event)
+                    box.put(("act", edge, i), sent[k], event)
             return began
 
         def backward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:

@@ -68,3 +68,19 @@ def move(value: Any, device: torch.device, detach: bool) -> Any:
         return out.requires_grad_(t.requires_grad)
 
     return pytree.tree_map_only(torch.Tensor, one, value)
+
+
+def wants_grad(module: torch.nn.Module, args: list) -> bool:
+    """Whether a stage's outputs depend on something that wants a gradient."""
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(args))
+
+
+def carries_grad(value: Any) -> Any:
+    """``value`` with its floating-point tensors marked as requiring grad (detached views):
+    what a stage computed without autograd (checkpointing) hands to its consumers."""
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
+
+    return pytree.tree_map_only(torch.Tensor, mark, value)

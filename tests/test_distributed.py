@@ -106,6 +106,8 @@ def two_rank_cases() -> dict:
     xs, ts = torch.randn(8, 12), torch.randint(0, 3, (8,))
     plan = dict(devices=["cpu:0", "cpu:1"], split=["b", "c", "out"], schedule="interleaved-1f1b", chunks=2, microbatches=3)
     out["skip interleaved"] = check_case(SkipOverStage(), plan, (xs,), ts)
+    # recomputed in backward, with a skip edge that stays on one rank (stage 0 -> stage 2)
+    out["skip interleaved checkpoint"] = check_case(SkipOverStage(), {**plan, "checkpoint": True}, (xs,), ts)
 
     xv, tv = torch.randn(8, 6), torch.randint(0, 2, (8,))
     plan = dict(devices=["cpu:0", "cpu:1"], microbatches=4, frontend="fx", concrete_args={"extra": None}, leaf_modules=[Encoder])

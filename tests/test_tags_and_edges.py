@@ -134,3 +134,15 @@ def test_dicts_masks_numbers_and_none_cross_stages() -> None:
     pipe = check_pipeline_matches_eager(StructuredValues(), plan, (x,), t, CE)
     kinds = " ".join(e.description for e in pipe.stages[1].inputs)
     assert "bool[8, 6]" in kinds and "{h: f32[8, 6]" in kinds and "int" in kinds, kinds
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activation_checkpointing_matches_eager(schedule: str) -> None:
+    # recomputation in backward, a stage that writes into its input in place, and a skip edge
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    x, t = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["3"], schedule=schedule, microbatches=4, checkpoint=True)
+    check_pipeline_matches_eager(model, plan, (x,), t, CE)
+    x, t = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split=["b", "c"], schedule=schedule, microbatches=2, checkpoint=True)
+    check_pipeline_matches_eager(SkipOverStage(), plan, (x,), t, CE)

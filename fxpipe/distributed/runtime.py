@@ -22,7 +22,7 @@ from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
 from fxpipe.schedules import Action
-from fxpipe.streams import move
+from fxpipe.streams import carries_grad, move, wants_grad
 from fxpipe.timeline import Event
 
 
@@ -145,9 +145,11 @@ class RankExecutor:
             if train:
                 saved[(stage.index, i)] = (args, None if (stage.is_last and not self.checkpoint) else out, rng)
             sends = []
+            checkpointed = train and self.checkpoint and not stage.is_last and wants_grad(stage.module, args)
             for j, edge in enumerate(stage.send):
                 if self.rank_of_stage(self.edge_ends[edge][1]) == self.rank:
-                    local[(comm.ACT, edge, i)] = out[j]
+                    # recomputed in backward: consumers on this rank must still ask for a gradient
+                    local[(comm.ACT, edge, i)] = carries_grad(out[j]) if checkpointed else out[j]
             for msg in plan.sends[k]:
                 tensors = _tensor_leaves(out[stage.send.index(msg.edge)])
                 _check_shapes(tensors, spec(msg.edge, i), msg, self.rank, stage.index)
