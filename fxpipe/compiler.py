@@ -106,7 +106,15 @@ def partition(
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module
     resolve = _resolver(model, traced.root)
-    propagate_shapes(gm, _on_model_device(model, traced.bind_inputs(example_inputs, kwargs)), resolve)
+    try:
+        example = traced.bind_inputs(example_inputs, kwargs)
+    except TypeError as err:
+        raise CompileError(
+            f"example_inputs do not fit {type(model).__name__}.forward ({err}); pass "
+            "example_inputs=(x, ...) (and example_kwargs=) shaped like a training batch: fxpipe "
+            "propagates their shapes on fake tensors to size every stage and edge"
+        ) from None
+    propagate_shapes(gm, _on_model_device(model, example), resolve)
     if profile is not None:
         profile.apply(gm.graph)
     assignment, how = _annotate(gm.graph, plan, model, resolve)

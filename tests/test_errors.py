@@ -147,3 +147,8 @@ def test_step_without_loss_explains() -> None:
     pipe = fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=2), example_inputs=(X,))
     with pytest.raises(fxpipe.PipelineError, match="loss_fn"):
         pipe.step(X, target=torch.zeros(8, dtype=torch.long))
+
+
+def test_missing_example_inputs_are_asked_for() -> None:
+    with pytest.raises(fxpipe.CompileError, match="example_inputs=.*shaped like a training batch"):
+        fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]))
