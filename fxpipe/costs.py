@@ -197,7 +197,7 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
     position = {n: k for k, n in enumerate(order)}
     for node in graph.nodes:
         if node.op == "get_attr" and node.users:
-            first = min(position[u] for u in node.users if u in position) if any(u in position for u in node.users) else 0
+            first = min((position[u] for u in node.users if u in position), default=0)
             state[first] += state_bytes(cost_of(node))
         elif node in position:
             state[position[node]] += state_bytes(cost_of(node))

@@ -10,6 +10,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe.costs import StageEstimate, ensure_costs, estimate_stages, lookup, predicted_timeline
+from fxpipe.costs import _fmt_s as _fmt_seconds
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
 from fxpipe.timeline import Timeline
@@ -22,12 +23,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
-
-
-def _fmt_seconds(t: float) -> str:
-    if t >= 1:
-        return f"{t:.2f} s"
-    return f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} µs"
 
 
 def _fmt_count(n: float) -> str:

@@ -139,9 +139,10 @@ def _time_node(node: fx.Node, env: dict, resolve, repeats: int, where: torch.dev
                 return leaf
             return v
 
-        args = fx.map_arg(node.args, lambda a: pytree.tree_map(fresh, env[a]) if a.op != "get_attr" else env[a])
-        kwargs = fx.map_arg(node.kwargs, lambda a: pytree.tree_map(fresh, env[a]) if a.op != "get_attr" else env[a])
-        return args, kwargs, leaves
+        def arg(a: fx.Node) -> Any:
+            return env[a] if a.op == "get_attr" else pytree.tree_map(fresh, env[a])
+
+        return fx.map_arg(node.args, arg), fx.map_arg(node.kwargs, arg), leaves
 
     def call(args: tuple, kwargs: dict) -> Any:
         if node.op == "call_module":

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.costs import spec_for
+from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
 
 
@@ -38,10 +39,10 @@ class TunePoint:
 
 
 def _batch_size(example_inputs: tuple) -> int:
-    for leaf in pytree.tree_leaves(example_inputs):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise PlanError("tune needs a tensor with a batch dimension among example_inputs")
+    size = batch_size(example_inputs)
+    if size is None:
+        raise PlanError("tune needs a tensor with a batch dimension among example_inputs")
+    return size
 
 
 def _mean_loss(output: Any, target: Any) -> torch.Tensor:

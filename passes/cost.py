@@ -57,10 +57,6 @@ class NodeCost:
     exact: bool = True
     convolution: bool = False
 
-    @property
-    def state_bytes(self) -> int:
-        return self.param_bytes + self.buffer_bytes
-
 
 def _fresh(value: Any, leaves: list[torch.Tensor]) -> Any:
     """A new fake tensor (under the active fake mode) shaped like ``value``.
@@ -129,8 +125,8 @@ def _state_of(node: fx.Node, resolve: Callable[[str], Any]) -> tuple[int, int]:
     elif node.op == "get_attr":
         value = resolve(node.target)
         tensors = [value] if isinstance(value, torch.Tensor) else []
-    trainable = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad)
-    return trainable, sum(t.numel() * t.element_size() for t in tensors) - trainable
+    trainable = tensor_bytes([t for t in tensors if isinstance(t, torch.nn.Parameter) and t.requires_grad])
+    return trainable, tensor_bytes(tensors) - trainable
 
 
 def _storage_key(t: torch.Tensor) -> Any:
@@ -187,7 +183,7 @@ def annotate_costs(graph: fx.Graph, resolve: Callable[[str], Any]) -> None:
             act_bytes_moved=float(in_bytes + tensor_bytes(out)),
             param_bytes=trainable,
             buffer_bytes=frozen,
-            activation_bytes=sum(t.numel() * t.element_size() for t in fresh),
+            activation_bytes=tensor_bytes(fresh),
             exact=exact,
             convolution=_is_convolution(node, resolve),
         )
