@@ -73,9 +73,8 @@ def limit_threads() -> None:
 
 
 def synchronize() -> None:
-    if gpu_count():
-        for i in range(gpu_count()):
-            torch.cuda.synchronize(i)
+    for i in range(gpu_count()):
+        torch.cuda.synchronize(i)
 
 
 # ---------------------------------------------------------------------- data

@@ -178,7 +178,7 @@ def _node_diagram(part: Partitioned) -> Diagram:
         if _is_port(node):
             edge = node.meta[EDGE]
             lines = [f"send → stage {edge.dst}" if node.target is fxpipe_send else f"recv ← stage {edge.src}", edge.name]
-            diagram.boxes.append(Box(node.name, lines, _FILLS[stage % len(_FILLS)], _border(stage), stage, "port"))
+            diagram.boxes.append(Box(node.name, lines, _fill(stage), _border(stage), stage, "port"))
             continue
         shape = "io" if node.op in ("placeholder", "output") else "box"
         diagram.boxes.append(Box(node.name, _node_lines(node, modules.get(stage)), cluster=stage, shape=shape))
@@ -240,7 +240,7 @@ def _stage_diagram(part: Partitioned) -> Diagram:
         lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})")
         lines.append(f"{_fmt_flops(estimate.flops)} forward per batch")
         lines.append(f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}")
-        diagram.boxes.append(Box(f"stage{stage.index}", lines, _FILLS[stage.index % len(_FILLS)], _border(stage.index)))
+        diagram.boxes.append(Box(f"stage{stage.index}", lines, _fill(stage.index), _border(stage.index)))
     if inputs:
         diagram.links.append(Link("input", "stage0"))
     pairs: dict[tuple[int, int], list] = defaultdict(list)
@@ -293,12 +293,16 @@ def _is_port(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (fxpipe_send, fxpipe_recv)
 
 
+def _fill(stage: int) -> str:
+    return _FILLS[stage % len(_FILLS)]
+
+
 def _border(stage: int) -> str:
     return _BORDERS[stage % len(_BORDERS)]
 
 
 def _cluster(stage: Stage, title: str) -> Cluster:
-    return Cluster(stage.index, title, _FILLS[stage.index % len(_FILLS)], _border(stage.index))
+    return Cluster(stage.index, title, _fill(stage.index), _border(stage.index))
 
 
 def _wrap(text: str, width: int) -> list[str]:

@@ -143,7 +143,8 @@ def layout(diagram: Diagram) -> Layout:
         boxes = by_rank[r]
         clusters = {cluster_of[b.id] for b in boxes}
         starts_cluster = bool(clusters - previous_clusters - {None})
-        labels = [link.label for link in diagram.links if link.label and link.dst in {b.id for b in boxes}]
+        ids = {b.id for b in boxes}
+        labels = [link.label for link in diagram.links if link.label and link.dst in ids]
         # A label sits beside its arrow in TB and across the gap between columns in LR.
         lines = [line for label in labels for line in label.split("\n")]
         label_room = (
@@ -324,15 +325,19 @@ def _render_matplotlib(diagram: Diagram, path: Path) -> None:
                 link.label, fontsize=FONT * 0.9, color=colour, ha="left" if across else "center", va="center", zorder=5,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5},
             )
-    longest = max(placed.width, placed.height) / 72
-    fig.savefig(path, dpi=min(DPI, MAX_PIXELS / longest))
+    fig.savefig(path, dpi=_dpi(placed))
     plt.close(fig)
+
+
+def _dpi(placed: Layout) -> float:
+    """DPI of the fallback's picture: ``DPI``, less when the longest side would pass ``MAX_PIXELS``."""
+    return min(DPI, MAX_PIXELS / (max(placed.width, placed.height) / 72))
 
 
 def fallback_size(diagram: Diagram) -> tuple[int, int]:
     """Returns the (width, height) in pixels of the PNG the matplotlib renderer writes."""
     placed = layout(diagram)
-    dpi = min(DPI, MAX_PIXELS / (max(placed.width, placed.height) / 72))
+    dpi = _dpi(placed)
     return round(placed.width / 72 * dpi), round(placed.height / 72 * dpi)
 
 

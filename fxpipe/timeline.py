@@ -99,10 +99,11 @@ class Timeline:
     def bubble_fraction(self) -> float:
         """The idle share of the workers' time: ``1 - busy / (num_workers * step_time)``,
         where busy counts forwards and backwards only (0 for an empty timeline)."""
-        if self.step_time == 0:
+        step = self.step_time
+        if step == 0:
             return 0.0
         busy = sum(self.busy_time(w) for w in range(self.num_workers))
-        return 1.0 - busy / (self.num_workers * self.step_time)
+        return 1.0 - busy / (self.num_workers * step)
 
     def peak_in_flight(self) -> dict[int, int]:
         """Returns, per stage, the most micro-batches whose forward had finished and whose
@@ -139,14 +140,15 @@ class Timeline:
 
     def summary(self) -> str:
         """Returns a few lines of text: step time, bubble, and each worker's busy time."""
+        step = self.step_time
         lines = [
             f"{self.kind} timeline: {self.num_workers} workers, {len(self._events)} events",
-            f"step time {_format_seconds(self.step_time)}, bubble {self.bubble_fraction:.1%}",
+            f"step time {_format_seconds(step)}, bubble {self.bubble_fraction:.1%}",
         ]
         devices = {e.worker: e.device for e in self._events if e.device}
         for w in range(self.num_workers):
             busy = self.busy_time(w)
-            share = busy / self.step_time if self.step_time else 0.0
+            share = busy / step if step else 0.0
             on = f" ({devices[w]})" if w in devices else ""
             lines.append(
                 f"  worker {w}{on}: busy {_format_seconds(busy)} ({share:.1%} of the step)"
@@ -258,6 +260,10 @@ class Timeline:
         for e in self._events:
             if e.stage not in stages_of[e.worker]:
                 stages_of[e.worker].append(e.stage)
+        # A stage's chunk: its rank among the stages its worker holds.
+        chunk_of = {
+            (w, s): k for w, stages in stages_of.items() for k, s in enumerate(sorted(stages))
+        }
         devices = {e.worker: e.device for e in self._events if e.device}
         # A hatched band under each row: whatever forwards and backwards leave uncovered
         # is the worker's idle time, the pipeline bubble.
@@ -272,13 +278,12 @@ class Timeline:
                 ax.barh(e.worker + 0.38, width, left=left, height=0.1, color=_COMM_COLOUR)
                 continue
             shades = _COLOURS[e.op]
-            chunk = sorted(stages_of[e.worker]).index(e.stage)
             ax.barh(
                 e.worker,
                 width,
                 left=left,
                 height=0.6,
-                color=shades[chunk % len(shades)],
+                color=shades[chunk_of[e.worker, e.stage] % len(shades)],
                 edgecolor="white",
                 linewidth=0.8,
             )
