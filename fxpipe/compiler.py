@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.costs import auto_split, ensure_costs
+from fxpipe.costs import auto_split, ensure_costs, lookup
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
 from fxpipe.plan import Plan, PlanError
@@ -27,24 +28,6 @@ from passes.trace import trace
 
 class CompileError(ValueError):
     """A plan the compiler cannot honour for this model; the message names the culprit."""
-
-
-def _resolver(model: nn.Module, fallback: nn.Module):
-    """Fetch a module/parameter/buffer by qualified name from the user's model first."""
-
-    def lookup(root: nn.Module, target: str) -> Any:
-        obj: Any = root
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-    def resolve(target: str) -> Any:
-        try:
-            return lookup(model, target)
-        except AttributeError:
-            return lookup(fallback, target)
-
-    return resolve
 
 
 def _stage_devices(plan: Plan, num_stages: int, tag_devices: list[str] | None, how: str) -> list[str]:
@@ -105,7 +88,8 @@ def partition(
     kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module
-    resolve = _resolver(model, traced.root)
+    # the user's model first: its names and tied tensors; export's constants live on the root
+    resolve = functools.partial(lookup, [model, traced.root])
     try:
         example = traced.bind_inputs(example_inputs, kwargs)
     except TypeError as err:
@@ -124,13 +108,14 @@ def partition(
         raise PlanError(f"{how} gives {assignment.num_stages} stages, not a multiple of plan.chunks={plan.chunks}")
     cut = partition_pass(gm.graph, assignment.num_stages)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     stages = []
     for s in range(assignment.num_stages):
         graph = stage_graph(cut, s)
         extra = _unused_state(model, used) if s == 0 else {}
         module = build_stage_module(graph, resolve, extra, f"Stage{s}")
         paths = [n.meta.get("module_path", "") for n in graph.nodes if n.op in annotate_pass.COMPUTE_OPS]
-        inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: _num_model_inputs(gm) if s == 0 else 0]
+        inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: num_model_inputs if s == 0 else 0]
         stages.append(Stage(s, devices[s], module, cut.recv_edges(s), cut.send_edges(s), assignment.reasons[s], inputs, paths))
     _check_schedule(plan, cut)
     return Partitioned(
@@ -150,21 +135,18 @@ def _on_model_device(model: nn.Module, inputs: list) -> list:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
 
 
-def _num_model_inputs(gm) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-
-
 def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
     """Parameters and buffers no node touches: they live in stage 0 so nothing is dropped."""
-    covered = set()
-    for target in used:
-        covered.add(target)
-    extra = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if any(name == t or name.startswith(t + ".") for t in covered):
-            continue
-        extra[name] = tensor
-    return extra
+
+    def touched(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in used for k in range(1, len(parts) + 1))
+
+    return {
+        name: tensor
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+        if not touched(name)
+    }
 
 
 def _check_schedule(plan: Plan, cut) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.schedules import Action
-from fxpipe.streams import WorkerStream, carries_grad, move, wants_grad
+from fxpipe.streams import WorkerStream, carries_grad, move, restored_rng, rng_state, wants_grad
 from fxpipe.timeline import Event
 
 
@@ -35,16 +35,16 @@ class PipelineError(RuntimeError):
 class RuntimeStage:
     """What the executor needs of a stage.
 
-    recv: (edge id, source stage) per forward argument after the model inputs;
-    send: (edge id, destination stage) per element of the stage's output tuple.
+    recv: the edge id of each forward argument after the model inputs;
+    send: the edge id of each element of the stage's output tuple.
     """
 
     index: int
     module: torch.nn.Module
     device: torch.device
     num_model_inputs: int
-    recv: list[tuple[int, int]]
-    send: list[tuple[int, int]]
+    recv: list[int]
+    send: list[int]
     is_last: bool
     mutated_inputs: frozenset[int] = frozenset()
     name: str = ""  # the logical device ("cpu:1") shown in timelines
@@ -129,11 +129,11 @@ class LocalExecutor:
 
         def forward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:
             args = [move(v, stage.device, detach=train) for v in inputs[i]] if stage.index == 0 else []
-            for edge, _src in stage.recv:
+            for edge in stage.recv:
                 value, event = box.take(("act", edge, i))
                 args.append(move(stream.receive(value, event), stage.device, detach=train))
             began = time.perf_counter()
-            rng = _rng_state(stage.device) if train and self.checkpoint else None
+            rng = rng_state(stage.device) if train and self.checkpoint else None
             with torch.set_grad_enabled(grad_enabled and not (train and self.checkpoint)):
                 out = stage(args)
             if stage.is_last:
@@ -152,21 +152,19 @@ class LocalExecutor:
                     # gradient once the stage recomputes them in backward
                     sent = [carries_grad(v) for v in out]
                 event = stream.record()
-                for k, (edge, _dst) in enumerate(stage.send):
-                    box.put(("act", edge, i), sent[k], event)
+                for edge, value in zip(stage.send, sent):
+                    box.put(("act", edge, i), value, event)
             return began
 
         def backward(stream: WorkerStream, stage: RuntimeStage, i: int) -> float:
             args, out, rng = saved.pop((stage.index, i))
-            received_grads = [box.take(("grad", edge, i)) for edge, _dst in stage.send] if not stage.is_last else []
+            received_grads = [box.take(("grad", edge, i)) for edge in stage.send] if not stage.is_last else []
             began = time.perf_counter()
             if self.checkpoint:
-                with torch.random.fork_rng(devices=[stage.device] if stage.device.type == "cuda" else []):
-                    _set_rng_state(stage.device, rng)
-                    with torch.enable_grad():
-                        out = stage(args)
-                        if stage.is_last and loss_of is not None:
-                            losses[i] = loss_of(i, out)
+                with restored_rng(stage.device, rng), torch.enable_grad():
+                    out = stage(args)
+                    if stage.is_last and loss_of is not None:
+                        losses[i] = loss_of(i, out)
             tensors, grads = [], []
             if stage.is_last:
                 loss = losses[i]
@@ -184,7 +182,7 @@ class LocalExecutor:
                 torch.autograd.backward(tensors, grads if any(g is not None for g in grads) else None)
             event = stream.record()
             received = args[stage.num_model_inputs :] if stage.index == 0 else args
-            for (edge, _src), value in zip(stage.recv, received):
+            for edge, value in zip(stage.recv, received):
                 grad = pytree.tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, value)
                 box.put(("grad", edge, i), grad, event)
             if stage.is_last and losses[i] is not None:
@@ -237,15 +235,3 @@ class LocalExecutor:
 
 def _detached(value: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)

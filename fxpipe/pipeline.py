@@ -59,8 +59,8 @@ class Pipeline:
                     module=stage.module,
                     device=device,
                     num_model_inputs=len(stage.model_inputs),
-                    recv=[(edge_ids[id(e)], e.src) for e in stage.inputs],
-                    send=[(edge_ids[id(e)], e.dst) for e in stage.outputs],
+                    recv=[edge_ids[id(e)] for e in stage.inputs],
+                    send=[edge_ids[id(e)] for e in stage.outputs],
                     is_last=stage.index == last,
                     name=stage.device,
                     mutated_inputs=mutated_inputs(stage.module.graph, lambda t, m=stage.module: m.get_submodule(t)),
@@ -180,7 +180,7 @@ class Pipeline:
 
         if not self._last_events:
             raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
-        return Timeline(self._last_events, num_workers=len(self._actions(self.plan.microbatches)), kind="measured")
+        return Timeline(self._last_events, num_workers=len(self.stages) // self.plan.chunks, kind="measured")
 
     def __repr__(self) -> str:
         return f"Pipeline({self.part.model_name}, stages={[s.device for s in self.stages]}, schedule={self.plan.schedule!r})"

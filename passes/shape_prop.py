@@ -9,6 +9,7 @@ parameters and buffers, so BatchNorm running statistics are never updated.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -73,26 +74,19 @@ def propagate_shapes(gm: fx.GraphModule, inputs: list, resolve: Any = None) -> N
     so nothing is computed for real and no parameter or buffer changes.
     """
     if resolve is None:
-        resolve = _resolver(gm)
+        resolve = functools.partial(_attribute, gm)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_inputs = pytree.tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), inputs)
         interpreter = _FakeInterpreter(gm, mode, resolve)
-        with torch.no_grad() if not torch.is_grad_enabled() else torch.enable_grad():
-            interpreter.run(*fake_inputs)
+        interpreter.run(*fake_inputs)
 
 
 def _zeros_like_fake(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
 
 
-def _resolver(gm: torch.nn.Module) -> Any:
-    def resolve(target: str) -> Any:
-        obj: Any = gm
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-    return resolve
+def _attribute(root: torch.nn.Module, target: str) -> Any:
+    return functools.reduce(getattr, target.split("."), root)
 
 
 def tensor_bytes(value: Any) -> int:
