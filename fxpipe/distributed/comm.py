@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -128,7 +128,7 @@ def in_sender_order(plans: dict[int, ActionMessages]) -> dict[int, ActionMessage
                     early = order[(sender, receiver)][pointer[sender]]
                     pointer[sender] += 1
                     posted.add(early.key)
-                    group.append(Message(early.kind, early.edge, early.microbatch, sender, early.leaves))
+                    group.append(replace(early, peer=sender))
             recvs.append(group)
         result[receiver] = ActionMessages(recvs, plan.sends)
     return result
@@ -190,6 +190,16 @@ def _run(groups_by_rank: dict[int, Groups], partner: dict) -> dict[int, int]:
             position[rank] += 1
 
 
+def _stuck(groups_by_rank: dict[int, Groups], position: dict[int, int]) -> dict[int, int]:
+    """The ranks whose groups do not all complete, with the group each stops at."""
+    return {r: g for r, g in position.items() if g < len(groups_by_rank[r])}
+
+
+def _deadlock(stuck: dict[int, int]) -> CommPlanError:
+    detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
+    return CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+
+
 def check_rendezvous(groups_by_rank: dict[int, Groups]) -> None:
     """Prove that every rank's groups complete when ops match in order (NCCL's rule).
 
@@ -199,11 +209,9 @@ def check_rendezvous(groups_by_rank: dict[int, Groups]) -> None:
     CommPlanError when two matched ops carry different messages or when no group can
     complete.
     """
-    position = _run(groups_by_rank, _match(groups_by_rank))
-    stuck = {r: g for r, g in position.items() if g < len(groups_by_rank[r])}
+    stuck = _stuck(groups_by_rank, _run(groups_by_rank, _match(groups_by_rank)))
     if stuck:
-        detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
-        raise CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+        raise _deadlock(stuck)
 
 
 def nccl_plans(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:
@@ -219,7 +227,7 @@ def nccl_plans(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:
     while True:
         partner = _match(groups)
         position = _run(groups, partner)
-        stuck = {r: g for r, g in position.items() if g < len(groups[r])}
+        stuck = _stuck(groups, position)
         if not stuck:
             break
         moved = False
@@ -241,8 +249,7 @@ def nccl_plans(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:
             if moved:
                 break
         if not moved:
-            detail = "; ".join(f"rank {r} at group {g}" for r, g in sorted(stuck.items()))
-            raise CommPlanError(f"the send/recv groups would deadlock under NCCL ({detail})")
+            raise _deadlock(stuck)
     return {r: ActionMessages([recvs for _, recvs in groups[r][: len(plans[r].recvs)]], plans[r].sends) for r in plans}
 
 

@@ -34,11 +34,6 @@ class MaterializeError(ValueError):
     """A stage's parameters cannot be filled as asked; the message names them."""
 
 
-def is_meta(model: nn.Module) -> bool:
-    """True when any parameter or buffer of ``model`` is on the meta device."""
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-
-
 def open_weights(weights: Weights) -> Mapping[str, torch.Tensor] | Callable[[nn.Module], None] | None:
     """A lazily read mapping for a checkpoint path; mappings, callables and None as they are."""
     if weights is None or callable(weights) or isinstance(weights, Mapping):

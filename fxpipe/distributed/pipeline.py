@@ -32,7 +32,7 @@ from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature, sk
 from fxpipe.partitioned import Partitioned
 from fxpipe.placement import alias_groups
 from fxpipe.plan import PlanError
-from fxpipe.schedules import make_schedule
+from fxpipe.schedules import forward_only, make_schedule
 from fxpipe.streams import move
 
 _instances = itertools.count()
@@ -96,7 +96,7 @@ class DistributedPipeline:
         self.executor = RankExecutor(
             self._rank_stages, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog, fused=self.device.type == "cuda", checkpoint=plan.checkpoint, worker=layout.worker,
         )
-        self._tied = TiedGrads(self._tied_groups(model, aliases), lambda: layout.rank, self.watchdog)
+        self._tied = TiedGrads(self._tied_groups(model, aliases), layout.rank, self.watchdog)
         self._averager = None
         self._dp_group = None
         self._float_buffers = [b for st in self.local_stages for b in modules[st].buffers() if b.is_floating_point()]
@@ -105,10 +105,10 @@ class DistributedPipeline:
             self._broadcast_from_first_replica(dp_group)
             self._averager = GradAverager(
                 {s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas,
-                lambda: layout.rank, self.watchdog,
+                layout.rank, self.watchdog,
             )
         self._barrier()
-        self._schedules: dict[int, list] = {}
+        self._schedules: dict[tuple[int, bool], list] = {}
         self._specs: dict[tuple, dict[int, ValueSpec]] = {}
         self._messages: dict[tuple, comm.ActionMessages] = {}
         self._last_events: list = []
@@ -184,10 +184,12 @@ class DistributedPipeline:
         self.watchdog.wait([(work, 0)], lambda: "the other ranks to finish setting up")
 
     # ------------------------------------------------------------- running
-    def _actions(self, m: int) -> list:
-        if m not in self._schedules:
-            self._schedules[m] = make_schedule(self.plan.schedule, self.part.num_stages, m, self.plan.chunks)
-        return self._schedules[m]
+    def _actions(self, m: int, train: bool) -> list:
+        """Every worker's action list for ``m`` micro-batches (forwards only for inference)."""
+        if (m, train) not in self._schedules:
+            actions = make_schedule(self.plan.schedule, self.part.num_stages, m, self.plan.chunks)
+            self._schedules[(m, train)] = actions if train else forward_only(actions)
+        return self._schedules[(m, train)]
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], int]:
         """This replica's micro-batches: (inputs, targets, sizes, global batch size)."""
@@ -211,14 +213,12 @@ class DistributedPipeline:
 
     def _run(self, inputs: list[list], train: bool, loss_of: Any = None) -> Any:
         specs, key = self._edge_specs(inputs, train)
-        actions = self._actions(len(inputs))
-        if not train:
-            actions = [[a for a in todo if a.op == "F"] for todo in actions]
+        actions = self._actions(len(inputs), train)
         spec = lambda e, i: specs[i][e]  # noqa: E731
-        if (key, train) not in self._messages:
-            self._messages[(key, train)] = self._plan_messages(actions, spec)
+        if key not in self._messages:  # key holds ``train`` already
+            self._messages[key] = self._plan_messages(actions, spec)
         on_done = self._averager.start if (train and self._averager is not None) else None
-        return self.executor.run(actions[self.layout.worker], self._messages[(key, train)], inputs, spec, train, loss_of, on_done)
+        return self.executor.run(actions[self.layout.worker], self._messages[key], inputs, spec, train, loss_of, on_done)
 
     def _plan_messages(self, actions: list, spec: Any) -> comm.ActionMessages:
         """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
@@ -267,7 +267,7 @@ class DistributedPipeline:
         if self._averager is not None:
             self._averager.finish()
             with torch.no_grad():
-                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, lambda: self.layout.rank, self.watchdog)
+                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.layout.rank, self.watchdog)
         self._tied.after_step()
         self._last_events = result.events
         loss = torch.zeros((), device=self.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -44,12 +45,12 @@ class ValueSpec:
     treespec: Any
     leaves: tuple[Any, ...]
 
-    @property
+    @cached_property
     def tensors(self) -> list[int]:
         """Positions of the tensor leaves (the only ones that are sent)."""
         return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec)]
 
-    @property
+    @cached_property
     def grads(self) -> list[int]:
         """Positions of the tensor leaves whose gradient goes back to the producer."""
         return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec) and leaf.requires_grad]
