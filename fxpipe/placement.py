@@ -12,6 +12,7 @@ modified or moved.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -61,10 +62,15 @@ class Placement:
                 replica.grad = None
 
 
+def _named_tensors(module: nn.Module):
+    """Every parameter and buffer under every name it has (tied tensors repeated)."""
+    return itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+
+
 def alias_groups(model: nn.Module) -> dict[str, list[str]]:
     """For every parameter/buffer name of ``model``, all names of that same tensor, first first."""
     by_id: dict[int, list[str]] = defaultdict(list)
-    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    for name, tensor in _named_tensors(model):
         by_id[id(tensor)].append(name)
     return {name: names for names in by_id.values() for name in names}
 
@@ -84,13 +90,10 @@ def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -
     # every tensor each stage holds, under the model's names
     copies: dict[str, list[torch.Tensor]] = defaultdict(list)
     for clone in placed:
-        seen: set[int] = set()
-        for name, tensor in list(clone.named_parameters(remove_duplicate=False)) + list(clone.named_buffers(remove_duplicate=False)):
+        for name, tensor in _named_tensors(clone):
             canonical = aliases.get(name, [name])[0]
-            if id(tensor) in seen or any(t is tensor for t in copies[canonical]):
-                continue
-            seen.add(id(tensor))
-            copies[canonical].append(tensor)
+            if not any(t is tensor for t in copies[canonical]):  # one entry per distinct copy
+                copies[canonical].append(tensor)
     tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
     params: dict[str, nn.Parameter] = {}
     for name, _ in model.named_parameters():
