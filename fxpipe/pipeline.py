@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,10 +17,11 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.placement import place
 from fxpipe.schedules import forward_only, make_schedule
 from fxpipe.stage import Stage
+from fxpipe.views import PipelineViews
 from passes.codegen import mutated_inputs
 
 
-class Pipeline:
+class Pipeline(PipelineViews):
     """A model split into stages on devices. See ``fxpipe.compile``.
 
     Attributes: stages (Stage list, modules on their devices), graph (the partitioned
@@ -114,14 +114,6 @@ class Pipeline:
         return torch.stack([loss.to(last_device) for loss in result.losses]).sum()
 
     # ------------------------------------------------------------ module-like API
-    @property
-    def graph(self):
-        return self.part.graph
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under the model's names; a tied weight once, under its first name."""
         yield from self._placement.params.items()
@@ -153,34 +145,9 @@ class Pipeline:
             module.train(mode)
         return self
 
-    def eval(self) -> Pipeline:
-        return self.train(False)
-
-    # --------------------------------------------------------------- inspection
-    def summary(self) -> str:
-        return self.part.summary()
-
-    def explain(self) -> str:
-        return self.part.explain()
-
-    def simulate(self, microbatches: int | None = None):
-        """Predicted Timeline of one step under the schedule; see ``Partitioned.simulate``."""
-        return self.part.simulate(microbatches)
-
-    def to_dot(self, level: str = "auto") -> str:
-        return self.part.to_dot(level)
-
-    def draw(self, path: str | Path, level: str = "auto", renderer: str = "auto") -> Path:
-        """Writes the partition drawing to ``path``; see ``Partitioned.draw``."""
-        return self.part.draw(path, level=level, renderer=renderer)
-
-    def timeline(self):
-        """Measured Timeline of the last call or step."""
-        from fxpipe.timeline import Timeline
-
-        if not self._last_events:
-            raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
-        return Timeline(self._last_events, num_workers=len(self.stages) // self.plan.chunks, kind="measured")
+    @property
+    def num_workers(self) -> int:
+        return len(self.stages) // self.plan.chunks
 
     def __repr__(self) -> str:
         return f"Pipeline({self.part.model_name}, stages={[s.device for s in self.stages]}, schedule={self.plan.schedule!r})"

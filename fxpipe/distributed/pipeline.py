@@ -34,11 +34,12 @@ from fxpipe.placement import alias_groups
 from fxpipe.plan import PlanError
 from fxpipe.schedules import forward_only, make_schedule
 from fxpipe.streams import move
+from fxpipe.views import PipelineViews
 
 _instances = itertools.count()
 
 
-class DistributedPipeline:
+class DistributedPipeline(PipelineViews):
     """This rank's share of a pipeline. See ``fxpipe.compile`` and docs/distributed.md.
 
     Attributes: rank, world_size, layout (worker/replica of this rank), device,
@@ -278,14 +279,6 @@ class DistributedPipeline:
         return loss
 
     # ------------------------------------------------------ module-like API
-    @property
-    def graph(self):
-        return self.part.graph
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters (an optimizer built from them updates this rank's stages)."""
-        yield from self._params.values()
-
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the model's names; a tied weight once, first name."""
         yield from self._params.items()
@@ -319,25 +312,9 @@ class DistributedPipeline:
             sk.train(mode)
         return self
 
-    def eval(self) -> DistributedPipeline:
-        return self.train(False)
-
-    def summary(self) -> str:
-        return self.part.summary()
-
-    def explain(self) -> str:
-        return self.part.explain()
-
-    def to_dot(self, level: str = "auto") -> str:
-        return self.part.to_dot(level)
-
-    def timeline(self):
-        """Measured Timeline of this rank's actions in the last call or step."""
-        from fxpipe.timeline import Timeline
-
-        if not self._last_events:
-            raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
-        return Timeline(self._last_events, num_workers=self.layout.workers, kind="measured")
+    @property
+    def num_workers(self) -> int:
+        return self.layout.workers
 
     def __repr__(self) -> str:
         return (

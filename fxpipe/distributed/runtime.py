@@ -22,7 +22,7 @@ from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
 from fxpipe.schedules import Action
-from fxpipe.streams import carries_grad, move, wants_grad
+from fxpipe.streams import carries_grad, move, restored_rng, rng_state, wants_grad
 from fxpipe.timeline import Event
 
 
@@ -135,7 +135,7 @@ class RankExecutor:
             args = [move(v, self.device, detach=True) for v in inputs[i]] if stage.index == 0 else []
             for edge in stage.recv:
                 args.append(move(value_in(comm.ACT, edge, i), self.device, detach=True))
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None) if train and self.checkpoint else None
+            rng = rng_state(self.device) if train and self.checkpoint else None
             with torch.set_grad_enabled(grad_enabled and not (train and self.checkpoint)):
                 out = _call(stage, args)
             if stage.is_last:
@@ -160,14 +160,10 @@ class RankExecutor:
             stage, i = self.stages[action.stage], action.microbatch
             args, out, rng = saved.pop((stage.index, i))
             if self.checkpoint:
-                with torch.random.fork_rng(devices=[self.device] if cuda else []):
-                    torch.set_rng_state(rng[0])  # recompute with the forward's random numbers
-                    if cuda:
-                        torch.cuda.set_rng_state(rng[1], self.device)
-                    with torch.enable_grad():
-                        out = _call(stage, args)
-                        if stage.is_last and loss_of is not None:
-                            result.losses[i] = loss_of(i, out)
+                with restored_rng(self.device, rng), torch.enable_grad():  # the forward's random numbers
+                    out = _call(stage, args)
+                    if stage.is_last and loss_of is not None:
+                        result.losses[i] = loss_of(i, out)
             tensors, grads = [], []
             if stage.is_last:
                 loss = result.losses.get(i)
