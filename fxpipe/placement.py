@@ -87,21 +87,30 @@ def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -
         clone = copy.deepcopy(module, memos[device])
         placed.append(clone.to(torch_device(device)))
     aliases = alias_groups(model)
-    # every tensor each stage holds, under the model's names
+    copies = held_tensors(placed, aliases)
+    tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
+    params, state = model_names(model, copies, aliases)
+    return Placement(placed, params, state, tied)
+
+
+def held_tensors(modules: list[nn.Module], aliases: dict[str, list[str]]) -> dict[str, list[torch.Tensor]]:
+    """Every distinct tensor the modules hold, under the model's first name for it, in order."""
     copies: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for clone in placed:
-        for name, tensor in _named_tensors(clone):
+    for module in modules:
+        for name, tensor in _named_tensors(module):
             canonical = aliases.get(name, [name])[0]
             if not any(t is tensor for t in copies[canonical]):  # one entry per distinct copy
                 copies[canonical].append(tensor)
-    tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
-    params: dict[str, nn.Parameter] = {}
-    for name, _ in model.named_parameters():
-        if name in copies:
-            params[name] = copies[name][0]
-    state: dict[str, torch.Tensor] = {}
+    return copies
+
+
+def model_names(model: nn.Module, held: dict[str, list[torch.Tensor]], aliases: dict[str, list[str]]) -> tuple[dict, dict]:
+    """(parameters under ``model.named_parameters()`` names, tensors under every state_dict key),
+    each the first copy in ``held``; names whose tensor is not held are left out."""
+    params = {name: held[name][0] for name, _ in model.named_parameters() if name in held}
+    state = {}
     for key in model.state_dict(keep_vars=True):
         canonical = aliases.get(key, [key])[0]
-        if canonical in copies:
-            state[key] = copies[canonical][0]
-    return Placement(placed, params, state, tied)
+        if canonical in held:
+            state[key] = held[canonical][0]
+    return params, state

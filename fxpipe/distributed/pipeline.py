@@ -30,7 +30,7 @@ from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor, RankStage
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature, skeleton
 from fxpipe.partitioned import Partitioned
-from fxpipe.placement import alias_groups
+from fxpipe.placement import alias_groups, held_tensors, model_names
 from fxpipe.plan import PlanError
 from fxpipe.schedules import forward_only, make_schedule
 from fxpipe.streams import move
@@ -134,18 +134,8 @@ class DistributedPipeline(PipelineViews):
         )
 
     def _names(self, model: nn.Module, aliases: dict[str, list[str]]) -> tuple[dict, dict]:
-        held: dict[str, torch.Tensor] = {}
-        for s in self.local_stages:
-            module = self._rank_stages[s].module
-            for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-                held.setdefault(aliases.get(name, [name])[0], t)
-        params = {name: held[name] for name, _ in model.named_parameters() if name in held}
-        state = {}
-        for key in model.state_dict(keep_vars=True):
-            canonical = aliases.get(key, [key])[0]
-            if canonical in held:
-                state[key] = held[canonical]
-        return params, state
+        held = held_tensors([self._rank_stages[s].module for s in self.local_stages], aliases)
+        return model_names(model, held, aliases)
 
     @staticmethod
     def _trainable(module: nn.Module) -> list[nn.Parameter]:
