@@ -36,7 +36,7 @@ from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.schedules import make_schedule
 from fxpipe.simulate import simulate
 from passes.annotate import COMPUTE_OPS, REASON, STAGE, AnnotateError, StageAssignment
-from passes.autosplit import SplitInfeasible, SplitProblem, ordered_problem_inputs, solve
+from passes.autosplit import SplitInfeasible, SplitProblem, ordered_problem_inputs, refine, solve
 from passes.cost import COST, NodeCost, cost_of
 from passes.partition import EDGE
 from passes.shape_prop import tensor_bytes
@@ -169,7 +169,8 @@ def _measured_device(graph: fx.Graph, plan: Plan) -> DeviceModel | None:
 
 # ----------------------------------------------------------------- split="auto"
 def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
-    """Assign ``node.meta["stage"]`` by the exact min-max partitioner of ``passes.autosplit``.
+    """Assign ``node.meta["stage"]`` by the exact min-max partitioner of ``passes.autosplit``,
+    its cuts then moved while the plan's simulated schedule gets faster (``refine``).
 
     Needs ``node.meta["cost"]`` (``passes.cost``). One stage per entry of
     ``plan.devices`` (times ``plan.chunks``). Returns the StageAssignment whose reasons
@@ -189,10 +190,11 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
         )
     order, cuts = ordered_problem_inputs(_dataflow(compute), compute)
     measured_on = _measured_device(graph, plan)
-    times = torch.tensor(
-        [[sum(mdl.node_times(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on)) for n in order] for mdl in models],
+    fwd_bwd = torch.tensor(
+        [[mdl.node_times(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
         dtype=torch.float64,
-    )
+    )  # stages x nodes x (forward, backward)
+    times = fwd_bwd.sum(2)
     state = [0.0] * len(order)
     position = {n: k for k, n in enumerate(order)}
     for node in graph.nodes:
@@ -218,19 +220,52 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
         split = solve(problem)
     except SplitInfeasible as err:
         raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
-    bounds = split.boundaries
+    step_time = _simulated_step(plan, models, fwd_bwd, cuts, num_stages)
+    minmax_step = step_time(split.boundaries)
+    bounds = refine(problem, split.boundaries, step_time)
+    refined_step = step_time(bounds)
     reasons = []
     for k in range(num_stages):
+        t = problem.stage_time(k, bounds[k], bounds[k + 1])
         reasons.append(
-            f"cost model: {_fmt_s(split.stage_times[k])} per micro-batch (forward+backward+send/recv) "
-            f"on {devices[k]}, memory {_fmt_b(split.stage_memory[k])} of {_fmt_b(problem.memory[k])}"
-            + ("; the slowest stage, it sets the pace" if split.stage_times[k] == split.bottleneck else "")
+            f"cost model: {_fmt_s(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
+            f"memory {_fmt_b(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {_fmt_b(problem.memory[k])}"
+            + ("; the slowest stage" if t == problem.bottleneck(bounds) else "")
         )
+    if bounds != split.boundaries:
+        reasons[0] += (
+            f"; cuts moved from the min-max split (slowest stage {_fmt_s(split.bottleneck)}, step "
+            f"{_fmt_s(minmax_step)}) to the predicted best {plan.schedule} step with {m} micro-batches ({_fmt_s(refined_step)})"
+        )
+    how = "min-max split" + (f", refined for the {plan.schedule} schedule" if bounds != split.boundaries else "")
+    for k in range(num_stages):
         for node in order[bounds[k] : bounds[k + 1]]:
             node.meta[STAGE] = k
-            node.meta[REASON] = f"cost model: stage {k} of the min-max split"
+            node.meta[REASON] = f"cost model: stage {k} of the {how}"
     _place_sources(graph, num_stages)
     return StageAssignment(num_stages, None, reasons)
+
+
+def _simulated_step(plan: Plan, models: list[DeviceModel], fwd_bwd: torch.Tensor, cuts: list[float], num_stages: int):
+    """``step_time(boundaries)``: the schedule's simulated step for a split of the ordered
+    nodes (per-node (forward, backward) seconds ``fwd_bwd``, bytes ``cuts`` across each cut)."""
+    m = plan.microbatches
+    actions = make_schedule(plan.schedule, num_stages, m, plan.chunks)
+    zero = torch.zeros(num_stages, 1, 2, dtype=torch.float64)
+    prefix = torch.cat([zero, fwd_bwd.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 2
+
+    def step_time(bounds: list[int]) -> float:
+        fwd, bwd = [], []
+        for k in range(num_stages):
+            start, end = prefix[k][bounds[k]], prefix[k][bounds[k + 1]]
+            fwd.append(end[0] - start[0] + models[k].spec.latency)
+            bwd.append(end[1] - start[1] + models[k].spec.latency)
+        comm = [transfer_seconds(models, k, k + 1, cuts[bounds[k + 1]] / m) for k in range(num_stages - 1)]
+        return simulate(
+            actions, num_stages, lambda s, _: fwd[s], lambda s, _: bwd[s], lambda a, b, _: comm[min(a, b)]
+        ).step_time
+
+    return step_time
 
 
 def _dataflow(compute: list[fx.Node]):

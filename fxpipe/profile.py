@@ -1,18 +1,39 @@
 """``fxpipe.profile``: measured forward and backward seconds per node, for the cost model.
 
-The model is traced as ``fxpipe.compile`` traces it (same node names), copied onto the
-device, and every compute node is replayed alone on its real inputs, cut to the plan's
-micro-batch (CPU kernels do not scale linearly with the batch, and weight-bound layers
-hardly at all): forward, then the backward of its outputs with the weight gradients
-accumulated as in training, each the fastest of ``repeats`` runs. Passing the result as
-``fxpipe.partition(..., profile=p)`` (or ``compile``) makes ``split="auto"``, the summary
-and ``simulate()`` use these times instead of the FLOP estimates. The user's model is not
-touched (a copy runs, so BatchNorm statistics stay as they were).
+The model is traced as ``fxpipe.compile`` traces it (same node names) and a copy of it,
+on the device, is trained on the plan's micro-batch (the first piece of the example batch:
+CPU kernels do not scale linearly with the batch, and weight-bound layers hardly at all).
+Every node is timed in context, inside warm whole-model training steps, not replayed
+alone (alone, fresh allocations page-fault, weights are cold and first calls set kernels
+up: on CPU, ResNet-50's first convolution timed several times its in-model time that way):
+
+- forward: the traced graph is run node by node and each compute node's call is timed
+  (on CUDA with a synchronize before each clock read);
+- backward: after a node runs, the autograd Nodes it created are found by walking from
+  the ``grad_fn`` of its outputs (and of its inputs, which an in-place op rewrites)
+  through ``next_functions``, stopping at Nodes already claimed by earlier nodes; a
+  parameter's ``AccumulateGrad`` goes to the first node that reaches it (the layer using
+  the parameter). A pre-hook on each of these Nodes stamps the clock when the autograd
+  engine starts it. Backward then runs from the graph's outputs (gradients of ones), and
+  a node's backward is the sum of the gaps from each of its Nodes' stamps to the next
+  stamp (the last to the end of backward): the engine runs CPU Nodes one at a time on the
+  calling thread, so a gap is that Node's work plus the engine's hand-off to the next
+  Node (on CUDA each stamp synchronizes the device first). Nodes that create no autograd
+  Node (shape reads, integer ops) get 0.
+
+One warm-up step is run and discarded, then ``repeats`` timed steps; each node's forward
+and backward are the medians over them. Gradients accumulate into the copy's ``.grad``
+between steps, as over a pipeline's micro-batches. The CPU thread count is the caller's.
+Passing the result as ``fxpipe.partition(..., profile=p)`` (or ``compile``) makes
+``split="auto"``, the summary and ``simulate()`` use these times instead of the FLOP
+estimates. The user's model is not touched (a copy runs, so BatchNorm statistics and
+gradients stay as they were), nor are the example inputs (each step runs on clones).
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,23 +81,9 @@ class Profile:
                 node.meta[MEASURED] = self.times[node.name]
                 hits += 1
         if self.times and not hits:
-            raise ValueError("the profile matches no node of this graph: profile the same model with the same plan")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _fastest(run, repeats: int, device: torch.device) -> tuple[float, Any]:
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        result = run()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best, result
+            raise ValueError(
+                "the profile matches no node of this graph: profile the same model with the same plan"
+            )
 
 
 def profile(
@@ -90,7 +97,9 @@ def profile(
     """Measure every compute node's forward and backward seconds on ``device``.
 
     ``plan`` supplies the tracing fields (frontend, leaf_modules, concrete_args) so node
-    names match what ``fxpipe.compile`` will trace. Returns a :class:`Profile`. Raises
+    names match what ``fxpipe.compile`` will trace, and ``microbatches``: the nodes are
+    timed on the first micro-batch of ``example_inputs``. Runs one warm-up training step
+    and ``repeats`` timed ones (see the module doc). Returns a :class:`Profile`. Raises
     DeviceError when ``device`` is absent here, TraceError when the model cannot be traced.
     """
     plan = Plan.coerce(plan)
@@ -100,7 +109,9 @@ def profile(
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
+    traced = trace(
+        model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args
+    )
     replica = copy.deepcopy(model).to(where)
     root = copy.deepcopy(traced.root).to(where)
 
@@ -108,75 +119,141 @@ def profile(
         return lookup([replica, root], target)
 
     def to_device(v: Any) -> Any:
-        return v.to(where) if isinstance(v, torch.Tensor) else v
+        # detached: backward must not reach the user's tensors (nor their .grad)
+        return (
+            v.detach().to(where).requires_grad_(v.requires_grad)
+            if isinstance(v, torch.Tensor)
+            else v
+        )
 
     inputs = [pytree.tree_map(to_device, v) for v in traced.bind_inputs(example_inputs, kwargs)]
     pieces, sizes = split(inputs, plan.microbatches)
     inputs, fraction = pieces[0], sizes[0] / sum(sizes)
-    result = Profile(device)
+    graph = traced.graph_module.graph
+    names = [n.name for n in graph.nodes if n.op in COMPUTE_OPS]
+    forwards: dict[str, list[float]] = {name: [] for name in names}
+    backwards: dict[str, list[float]] = {name: [] for name in names}
+    with torch.enable_grad():
+        for step in range(max(repeats, 1) + 1):
+            fwd, bwd = _training_step(graph, inputs, resolve, where)
+            if step:  # the first step warms up: allocations, weights in cache, kernel setup
+                for name in names:
+                    forwards[name].append(fwd[name])
+                    backwards[name].append(bwd[name])
+    times = {
+        name: MeasuredTime(
+            statistics.median(forwards[name]), statistics.median(backwards[name]), device, fraction
+        )
+        for name in names
+    }
+    return Profile(device, times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call(node: fx.Node, args: tuple, kwargs: dict, resolve) -> Any:
+    if node.op == "call_module":
+        return resolve(node.target)(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _clone(v: Any) -> Any:
+    """A fresh leaf per step, so in-place ops and input gradients stay within the step."""
+    return v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+
+def _claim(values: Any, name: str, owner: dict[Any, str]) -> None:
+    """Give ``name`` the autograd Nodes behind ``values`` that no earlier node has claimed."""
+    stack = [
+        t.grad_fn
+        for t in pytree.tree_leaves(values)
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in owner:
+            continue
+        owner[fn] = name
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+
+
+def _stamper(stamps: list[tuple[float, str]], name: str, where: torch.device):
+    if where.type == "cuda":
+
+        def stamp(grad_outputs: Any) -> None:
+            torch.cuda.synchronize(where)
+            stamps.append((time.perf_counter(), name))
+
+    else:
+
+        def stamp(grad_outputs: Any) -> None:
+            stamps.append((time.perf_counter(), name))
+
+    return stamp
+
+
+def _training_step(
+    graph: fx.Graph, inputs: list, resolve, where: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One forward and backward of the graph: (forward, backward) seconds per compute node."""
+    last_users: dict[fx.Node, list[fx.Node]] = {}
+    seen: set[fx.Node] = set()
+    for node in reversed(graph.nodes):  # free values after their last use, as eager does
+        for used in node.all_input_nodes:
+            if used not in seen:
+                seen.add(used)
+                last_users.setdefault(node, []).append(used)
+    forward: dict[str, float] = {}
+    owner: dict[Any, str] = {}  # autograd Node -> name of the fx node that created it
     env: dict[fx.Node, Any] = {}
-    placeholders = iter(inputs)
-    for node in traced.graph_module.graph.nodes:
+    placeholders = iter(pytree.tree_map(_clone, inputs))
+    out: Any = None
+    for node in graph.nodes:
         if node.op == "placeholder":
             env[node] = next(placeholders, None)
         elif node.op == "get_attr":
             env[node] = resolve(node.target)
         elif node.op in COMPUTE_OPS:
-            env[node], result.times[node.name] = _time_node(node, env, resolve, repeats, where, device, fraction)
-    return result
-
-
-def _time_node(node: fx.Node, env: dict, resolve, repeats: int, where: torch.device, device: str, fraction: float) -> tuple[Any, MeasuredTime]:
-    def fresh_args() -> tuple[tuple, dict, list[torch.Tensor]]:
-        leaves: list[torch.Tensor] = []
-
-        def fresh(v: Any) -> Any:
-            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
-                leaf = v.detach().requires_grad_(v.requires_grad)
-                if leaf.requires_grad:
-                    leaves.append(leaf)
-                    return leaf.clone()
-                return leaf
-            return v
-
-        def arg(a: fx.Node) -> Any:
-            return env[a] if a.op == "get_attr" else pytree.tree_map(fresh, env[a])
-
-        return fx.map_arg(node.args, arg), fx.map_arg(node.kwargs, arg), leaves
-
-    def call(args: tuple, kwargs: dict) -> Any:
-        if node.op == "call_module":
-            return resolve(node.target)(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-
-    with torch.enable_grad():
-        prepared = [fresh_args() for _ in range(repeats)]
-        runs = iter(prepared)
-
-        def forward() -> Any:
-            a, k, _ = next(runs)
-            return call(a, k)
-
-        fwd, out = _fastest(forward, repeats, where)
-        module = resolve(node.target) if node.op == "call_module" else None
-        params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, nn.Module) else []
-        bwd = 0.0
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if outs and (params or node.all_input_nodes):
-            graphs = []
-            for _ in range(repeats):
-                a, k, leaves = fresh_args()
-                o = [t for t in pytree.tree_leaves(call(a, k)) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-                graphs.append((o, leaves + params))
-            pending = iter(graphs)
-
-            def backward() -> None:
-                o, wrt = next(pending)
-                if wrt:  # into .grad, as a training step accumulates weight gradients
-                    torch.autograd.backward(o, [torch.ones_like(t) for t in o], inputs=wrt)
-
-            bwd, _ = _fastest(backward, repeats, where)
-    value = pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
-    return value, MeasuredTime(fwd, bwd, device, fraction)
+            args = fx.map_arg(node.args, env.__getitem__)
+            kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+            _sync(where)
+            start = time.perf_counter()
+            value = _call(node, args, kwargs, resolve)
+            _sync(where)
+            forward[node.name] = time.perf_counter() - start
+            # inputs too: an in-place op gives its input a new grad_fn
+            _claim((value, args, kwargs), node.name, owner)
+            env[node] = value
+            del args, kwargs, value
+        elif node.op == "output":
+            out = fx.map_arg(node.args[0], env.__getitem__)
+        for used in last_users.get(node, ()):
+            del env[used]
+    env.clear()
+    backward = dict.fromkeys(forward, 0.0)
+    roots = [
+        t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    del out
+    if not roots:
+        return forward, backward
+    stamps: list[tuple[float, str]] = []
+    handles = [fn.register_prehook(_stamper(stamps, name, where)) for fn, name in owner.items()]
+    try:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        _sync(where)
+        end = time.perf_counter()
+    finally:
+        for handle in handles:
+            handle.remove()
+        owner.clear()
+        del roots
+    stamps.sort()  # already in order on CPU; on CUDA the engine's device thread adds its own
+    for (at, name), (nxt, _) in zip(stamps, stamps[1:] + [(end, "")]):
+        backward[name] += nxt - at
+    return forward, backward

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from passes.autosplit import SplitInfeasible, SplitProblem, solve
+from passes.autosplit import SplitInfeasible, SplitProblem, refine, solve
 
 
 def brute_force(problem: SplitProblem) -> tuple[float, list[int] | None]:
@@ -62,6 +62,39 @@ def test_partitioner_equals_brute_force_and_respects_memory(problem: SplitProble
     assert b[0] == 0 and b[-1] == problem.num_items and all(x < y for x, y in zip(b, b[1:]))
     for k in range(problem.num_stages):
         assert problem.stage_memory(k, b[k], b[k + 1]) <= problem.memory[k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.integers(1, 8))
+def test_refine_never_makes_the_step_slower_nor_breaks_memory(problem: SplitProblem, microbatches: int) -> None:
+    """GPipe's step is sum(stage times) + (m - 1) x the slowest: refine it from the min-max split."""
+    try:
+        start = solve(problem).boundaries
+    except SplitInfeasible:
+        return
+
+    def step(bounds: list[int]) -> float:
+        times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(problem.num_stages)]
+        return sum(times) + (microbatches - 1) * max(times)
+
+    b = refine(problem, start, step)
+    assert step(b) <= step(start)
+    assert b[0] == 0 and b[-1] == problem.num_items and all(x < y for x, y in zip(b, b[1:]))
+    for k in range(problem.num_stages):
+        assert problem.stage_memory(k, b[k], b[k + 1]) <= problem.memory[k]
+
+
+def test_auto_split_is_refined_for_the_schedule() -> None:
+    """16 equal layers, 4 stages, 1F1B with 4 micro-batches: the balanced 4-4-4-4 split is
+    the min-max one, and a 1F1B step with so few micro-batches is faster with more layers
+    early; auto must predict no slower than balanced and say why it moved the cuts."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
+    x = torch.randn(64, 256)
+    plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(4)], split="auto", microbatches=4)
+    auto = fxpipe.partition(model, plan, example_inputs=(x,))
+    even = fxpipe.partition(model, plan.replace(split=["4", "8", "12"]), example_inputs=(x,))
+    assert auto.simulate().step_time < even.simulate().step_time
+    assert "cuts moved from the min-max split" in auto.explain()
 
 
 @settings(max_examples=20, deadline=None)

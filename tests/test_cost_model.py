@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -105,3 +107,65 @@ def test_profile_measures_every_node_and_feeds_the_split() -> None:
     part = fxpipe.partition(model, plan, example_inputs=(X,), profile=profile)
     assert any("measured_time" in n.meta for n in part.graph.nodes)
     assert all(e.forward > 0 for e in part.estimates())
+
+
+@pytest.fixture
+def one_thread():
+    """Time on one thread: with two threads on a busy 2-core machine, a descheduled
+    OpenMP worker stalls whichever parallel kernel it is in and the timings turn to noise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.Linear(2048, 8))
+
+
+def test_profile_attributes_time_to_the_nodes_that_spend_it(one_thread) -> None:
+    # the 2048x2048 layer (_3) does 256x the multiply-adds of any other node
+    plan = fxpipe.Plan(microbatches=1)
+    prof = fxpipe.profile(wide_mlp(), (torch.randn(64, 8),), plan=plan, repeats=5)
+    t = prof.times
+    assert set(t) == {"_0", "_1", "_2", "_3", "_4"}
+    assert all(v.forward > 0 and v.batch_fraction == 1.0 for v in t.values())
+    assert all(v.backward > 0 for v in t.values())  # every node creates autograd nodes
+    for other in ("_0", "_1", "_2", "_4"):
+        assert t["_3"].forward > 5 * t[other].forward, (other, t)
+        assert t["_3"].backward > 5 * t[other].backward, (other, t)
+    assert t["_3"].forward + t["_3"].backward > 0.5 * (prof.forward + prof.backward)
+    assert t["_2"].backward < t["_3"].backward / 5
+
+
+def test_profile_leaves_the_model_and_inputs_untouched() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    x = torch.randn(8, 3, 8, 8, requires_grad=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prof = fxpipe.profile(model, (x,), plan=fxpipe.Plan(microbatches=2), repeats=2)
+    assert prof.times["_1"].backward > 0 and prof.times["_1"].batch_fraction == 0.5
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats, num_batches_tracked
+    assert all(p.grad is None for p in model.parameters())
+    assert x.grad is None and model.training
+
+
+def test_profile_sums_match_an_eager_training_step(one_thread) -> None:
+    model, x = wide_mlp(), torch.randn(64, 8)
+    micro = x[:16]
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(micro).sum().backward()
+        return time.perf_counter() - start
+
+    ratios = []
+    for _ in range(3):  # another process taking the core only inflates times: retry
+        prof = fxpipe.profile(model, (x,), plan=fxpipe.Plan(microbatches=4), repeats=5)
+        eager = min(step() for _ in range(4))
+        ratios.append((prof.forward + prof.backward) / eager)
+        if 1 / 3 < ratios[-1] < 3:
+            break
+    assert 1 / 3 < ratios[-1] < 3, ratios
