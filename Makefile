@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/ruff check fxpipe passes tests examples
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
 
-# every figure in docs/results.md's benchmark sections (about 5 minutes on 2 cores)
+# every figure in docs/results.md's benchmark sections (about 20 minutes on 2 cores)
 bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
 	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png

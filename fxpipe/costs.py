@@ -44,6 +44,9 @@ from passes.shape_prop import tensor_bytes
 CPU_FLOPS_PER_CORE = 40e9
 CPU_ACTION_LATENCY = 100e-6  # thread hand-off and autograd call per action, measured on the local executor
 OPTIMIZER_STATES = 2  # Adam's two moments; SGD with momentum holds 1
+# split="auto" leaves the exact min-max split for the schedule-refined one only when the
+# simulated step is at least this much shorter: smaller gains are far below the model's error
+REFINE_MIN_GAIN = 0.01
 MEASURED = "measured_time"
 # FLOPs per byte of memory traffic at which a device turns from memory- to compute-bound.
 _BALANCE = {"cpu": 8.0, "cuda": 30.0}
@@ -224,6 +227,8 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
     minmax_step = step_time(split.boundaries)
     bounds = refine(problem, split.boundaries, step_time)
     refined_step = step_time(bounds)
+    if refined_step > minmax_step * (1 - REFINE_MIN_GAIN):
+        bounds, refined_step = split.boundaries, minmax_step
     reasons = []
     for k in range(num_stages):
         t = problem.stage_time(k, bounds[k], bounds[k + 1])
