@@ -14,6 +14,8 @@ the example inputs.
   buffer bytes of the module a node calls, or of the tensor a ``get_attr`` fetches.
 - Activation bytes: the node's output, counted once per storage so views and in-place
   ops do not double count.
+- Ops: the ATen ops the forward and the backward dispatch in that replay, for the fixed
+  cost each op pays (dispatch on CPU, a kernel launch on GPU).
 A node whose replay fails (an op without a fake kernel) keeps the fallback estimate and
 ``NodeCost.exact = False``; measured times from ``fxpipe.profile`` can replace estimates.
 """
@@ -28,6 +30,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from passes.shape_prop import tensor_bytes
@@ -45,7 +48,9 @@ class NodeCost:
     the forward; param_bytes: trainable parameters (each also has a gradient and
     optimizer state); buffer_bytes: buffers and frozen tensors; activation_bytes: the
     output a backward may need kept; exact: False when FLOPs are the fallback estimate;
-    convolution: the node is a convolution (CPU libraries re-layout its weights per call).
+    convolution: the node is a convolution (CPU libraries re-layout its weights per call);
+    fwd_ops / bwd_ops: ATen ops its forward and backward dispatch (each pays a fixed
+    cost: a leaf module such as ``nn.TransformerEncoderLayer`` is one node but ~60 ops).
     """
 
     fwd_flops: float = 0.0
@@ -56,6 +61,8 @@ class NodeCost:
     activation_bytes: int = 0
     exact: bool = True
     convolution: bool = False
+    fwd_ops: int = 1
+    bwd_ops: int = 1
 
 
 def _fresh(value: Any, leaves: list[torch.Tensor]) -> Any:
@@ -73,8 +80,22 @@ def _fresh(value: Any, leaves: list[torch.Tensor]) -> Any:
     return fake
 
 
-def _count_node(node: fx.Node, resolve: Callable[[str], Any], mode: FakeTensorMode) -> tuple[float, float]:
-    """(forward FLOPs, backward FLOPs) of ``node`` replayed alone on fake tensors."""
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":  # prim.device and friends: metadata queries, no kernel
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_node(node: fx.Node, resolve: Callable[[str], Any], mode: FakeTensorMode) -> tuple[float, float, int, int]:
+    """(forward FLOPs, backward FLOPs, forward ops, backward ops) of ``node`` replayed
+    alone on fake tensors."""
     def fake_arg(arg: fx.Node) -> Any:
         if arg.op == "get_attr":
             real = resolve(arg.target)
@@ -104,16 +125,17 @@ def _count_node(node: fx.Node, resolve: Callable[[str], Any], mode: FakeTensorMo
         else:
             run = lambda: node.target(*args, **kwargs)  # noqa: E731
         with torch.enable_grad():
-            forward = FlopCounterMode(display=False)
-            with forward:
+            forward, forward_ops = FlopCounterMode(display=False), _OpCounter()
+            with forward, forward_ops:
                 out = run()
             wrt += [p for p in params if p.requires_grad]
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
-            backward = FlopCounterMode(display=False)
+            backward, backward_ops = FlopCounterMode(display=False), _OpCounter()
             if wrt and outs:
-                with backward:
-                    torch.autograd.grad(outs, wrt, [torch.empty_like(t) for t in outs], allow_unused=True)
-    return float(forward.get_total_flops()), float(backward.get_total_flops())
+                grads = [torch.empty_like(t) for t in outs]
+                with backward, backward_ops:
+                    torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    return float(forward.get_total_flops()), float(backward.get_total_flops()), forward_ops.count, backward_ops.count
 
 
 def _state_of(node: fx.Node, resolve: Callable[[str], Any]) -> tuple[int, int]:
@@ -168,10 +190,10 @@ def annotate_costs(graph: fx.Graph, resolve: Callable[[str], Any]) -> None:
                 fresh.append(t)
         out_elems = sum(t.numel() for t in out_tensors)
         try:
-            fwd, bwd = _count_node(node, resolve, mode)
+            fwd, bwd, fwd_ops, bwd_ops = _count_node(node, resolve, mode)
             exact = True
         except Exception:  # noqa: BLE001 - any op without a fake kernel falls back to the estimate
-            fwd, bwd, exact = 0.0, 0.0, False
+            fwd, bwd, fwd_ops, bwd_ops, exact = 0.0, 0.0, 1, 1, False
         needs_grad = any(t.requires_grad for t in out_tensors)
         # ops flop_counter does not count still touch every output element once
         fwd = fwd or float(out_elems)
@@ -186,6 +208,8 @@ def annotate_costs(graph: fx.Graph, resolve: Callable[[str], Any]) -> None:
             activation_bytes=tensor_bytes(fresh),
             exact=exact,
             convolution=_is_convolution(node, resolve),
+            fwd_ops=max(fwd_ops, 1),
+            bwd_ops=max(bwd_ops, 1) if needs_grad else 0,
         )
 
 

@@ -97,6 +97,31 @@ def test_faster_device_predicts_less_time() -> None:
     assert slow == pytest.approx(0.3, rel=0.01) and fast < slow / 50
 
 
+class EncoderThenReLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.layer(x))
+
+
+def test_fixed_cost_counts_the_aten_ops_a_node_dispatches() -> None:
+    """A leaf TransformerEncoderLayer is one node but dozens of ops; each pays the fixed
+    cost, so its time at a tiny batch is dominated by them, unlike a ReLU's."""
+    plan = fxpipe.Plan(devices=["cpu:0"], split="auto", microbatches=1)
+    part = fxpipe.partition(EncoderThenReLU(), plan, example_inputs=(torch.randn(1, 2, 64),))
+    costs = {n.name: n.meta[COST] for n in part.graph.nodes if n.op == "call_module"}
+    layer, act = costs["layer"], costs["act"]
+    assert layer.fwd_ops > 20 and layer.bwd_ops > 20
+    assert 1 <= act.fwd_ops <= 3 and 1 <= act.bwd_ops <= 3
+    cpu = DeviceModel.of(plan, "cpu:0")
+    fwd, bwd = cpu.node_times(layer, 1.0)
+    assert fwd >= layer.fwd_ops * cpu.op_overhead and bwd >= layer.bwd_ops * cpu.op_overhead
+    assert cpu.node_times(act, 1.0)[0] < fwd / 10
+
+
 def test_profile_measures_every_node_and_feeds_the_split() -> None:
     model = mlp()
     profile = fxpipe.profile(model, (X,), device="cpu", repeats=1)
