@@ -10,8 +10,9 @@ costs more often on smaller kernels, so the curve is U-shaped and its bottom is 
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.costs import spec_for
+from fxpipe.devices import check_available
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
 
@@ -67,12 +69,13 @@ def sweep(
     candidates: counts to predict (default 1 up to the batch size, at most 64);
     measure: how many of the best predicted counts that fit to compile and time, or the
     exact counts to time; repeats: timed steps per measured count (the fastest is kept,
-    after one warm-up step). The model is never changed: measuring runs on a copy.
+    after one warm-up step), each on the split that was predicted. The model is never
+    changed: the measured pipelines run on copies of the stages.
     ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
     for counts above the batch size, and what ``fxpipe.partition`` raises.
     """
-    from fxpipe.compiler import compile as compile_pipeline
     from fxpipe.compiler import partition
+    from fxpipe.pipeline import Pipeline
 
     plan = Plan.coerce(plan)
     if not isinstance(example_inputs, tuple):
@@ -94,11 +97,18 @@ def sweep(
         timed = {p.microbatches for p in ranked[:measure]}
     else:
         timed = set(measure)
-    replica = copy.deepcopy(model)
     loss_fn = loss_fn or _mean_loss
     for point in points:
         if point.microbatches in timed:
-            pipe = compile_pipeline(replica, plan.replace(microbatches=point.microbatches), example_inputs, example_kwargs, loss_fn, profile)
+            # the split that was predicted, run at this count (split="auto" would otherwise
+            # re-split for each count, and the measurement would not be of the prediction);
+            # the pipeline places copies of the stages, so the model is not changed
+            for stage in part.stages:
+                check_available(stage.device, f"plan.devices[{stage.index}]")
+            at_count = dataclasses.replace(part, plan=plan.replace(microbatches=point.microbatches))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                pipe = Pipeline(at_count, model, loss_fn)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
 

@@ -37,6 +37,7 @@ def test_tune_returns_the_plan_with_the_best_measured_count(tmp_path) -> None:
     assert path.stat().st_size > 0
     for key, value in net.state_dict().items():
         torch.testing.assert_close(value, before[key])
+    assert all(p.grad is None for p in net.parameters())  # the measured pipelines ran on copies
 
 
 def test_counts_that_do_not_fit_memory_are_not_chosen() -> None:
