@@ -24,6 +24,10 @@ feasible ``B`` yields a split whose slowest stage is at most ``B``; bisection th
 to that split's own bottleneck converges on the optimum, the bottleneck of a real split.
 A feasibility test is ``O(K N log N)`` tensor work, so 10,000 items split in well under a
 second. Orders come from networkx (:func:`ordered_problem_inputs`).
+
+:func:`refine` then moves the cuts while a caller-given prediction of the whole step (a
+simulation of the schedule) improves: with few micro-batches the fill and drain, not the
+slowest stage alone, set a step's time.
 """
 
 from __future__ import annotations
