@@ -100,8 +100,11 @@ def profile(
     names match what ``fxpipe.compile`` will trace, and ``microbatches``: the nodes are
     timed on the first micro-batch of ``example_inputs``. Runs one warm-up training step
     and ``repeats`` timed ones (see the module doc). Returns a :class:`Profile`. Raises
-    DeviceError when ``device`` is absent here, TraceError when the model cannot be traced.
+    DeviceError when ``device`` is absent here, TraceError when the model cannot be traced,
+    ValueError when ``repeats`` < 1.
     """
+    if repeats < 1:
+        raise ValueError(f"profile(repeats={repeats}): time at least one step (repeats >= 1)")
     plan = Plan.coerce(plan)
     device = normalize_device(device, "profile(device=...)")
     check_available(device, "profile(device=...)")
@@ -134,7 +137,7 @@ def profile(
     forwards: dict[str, list[float]] = {name: [] for name in names}
     backwards: dict[str, list[float]] = {name: [] for name in names}
     with torch.enable_grad():
-        for step in range(max(repeats, 1) + 1):
+        for step in range(repeats + 1):
             fwd, bwd = _training_step(graph, inputs, resolve, where)
             if step:  # the first step warms up: allocations, weights in cache, kernel setup
                 for name in names:

@@ -164,6 +164,11 @@ def test_profile_attributes_time_to_the_nodes_that_spend_it(one_thread) -> None:
     assert t["_2"].backward < t["_3"].backward / 5
 
 
+def test_profile_asks_for_at_least_one_timed_step() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        fxpipe.profile(mlp(), (X,), repeats=0)
+
+
 def test_profile_leaves_the_model_and_inputs_untouched() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
