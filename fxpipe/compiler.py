@@ -182,7 +182,6 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     ``reset_parameters``). See docs/distributed.md.
     """
     from fxpipe.distributed.layout import requested as distributed_requested
-    from fxpipe.pipeline import Pipeline
 
     plan = Plan.coerce(plan)
     part = partition(model, plan, example_inputs, example_kwargs, profile)
@@ -197,6 +196,15 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
             "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
             "or build the model for real"
         )
+    return build_pipeline(part, model, loss_fn)
+
+
+def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None):
+    """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
+    devices; the stages are placed as copies, so ``model`` is not changed. Raises
+    DeviceError when a stage's device is not present."""
+    from fxpipe.pipeline import Pipeline
+
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with warnings.catch_warnings():
@@ -204,4 +212,4 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
         return Pipeline(part, model, loss_fn)
 
 
-__all__ = ["CompileError", "compile", "partition"]
+__all__ = ["CompileError", "build_pipeline", "compile", "partition"]

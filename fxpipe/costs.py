@@ -237,13 +237,13 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
     refined_step = step_time(bounds)
     if refined_step > minmax_step * (1 - REFINE_MIN_GAIN):
         bounds, refined_step = split.boundaries, minmax_step
+    stage_times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(num_stages)]
     reasons = []
-    for k in range(num_stages):
-        t = problem.stage_time(k, bounds[k], bounds[k + 1])
+    for k, t in enumerate(stage_times):
         reasons.append(
             f"cost model: {_fmt_s(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
             f"memory {_fmt_b(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {_fmt_b(problem.memory[k])}"
-            + ("; the slowest stage" if t == problem.bottleneck(bounds) else "")
+            + ("; the slowest stage" if t == max(stage_times) else "")
         )
     if bounds != split.boundaries:
         reasons[0] += (
@@ -268,17 +268,26 @@ def _simulated_step(plan: Plan, models: list[DeviceModel], fwd_bwd: torch.Tensor
     prefix = torch.cat([zero, fwd_bwd.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 2
 
     def step_time(bounds: list[int]) -> float:
-        fwd, bwd = [], []
-        for k in range(num_stages):
-            start, end = prefix[k][bounds[k]], prefix[k][bounds[k + 1]]
-            fwd.append(end[0] - start[0] + models[k].spec.latency)
-            bwd.append(end[1] - start[1] + models[k].spec.latency)
-        comm = [transfer_seconds(models, k, k + 1, cuts[bounds[k + 1]] / m) for k in range(num_stages - 1)]
-        return simulate(
-            actions, num_stages, lambda s, _: fwd[s], lambda s, _: bwd[s], lambda a, b, _: comm[min(a, b)]
-        ).step_time
+        spans = [(prefix[k][bounds[k]], prefix[k][bounds[k + 1]]) for k in range(num_stages)]
+        edge_bytes = {(k, k + 1): cuts[bounds[k + 1]] / m for k in range(num_stages - 1)}
+        fwd = [end[0] - start[0] for start, end in spans]
+        bwd = [end[1] - start[1] for start, end in spans]
+        return _play(actions, models, fwd, bwd, edge_bytes).step_time
 
     return step_time
+
+
+def _play(actions, models: list[DeviceModel], forward: list[float], backward: list[float], edge_bytes: dict[tuple[int, int], float]):
+    """Simulate ``actions``: stage ``s``'s forward/backward seconds plus its device's
+    per-action latency, and ``edge_bytes[(src, dst)]`` per micro-batch sent between stages."""
+    return simulate(
+        actions,
+        len(models),
+        lambda s, _: forward[s] + models[s].spec.latency,
+        lambda s, _: backward[s] + models[s].spec.latency,
+        lambda a, b, _: transfer_seconds(models, a, b, edge_bytes.get((a, b), edge_bytes.get((b, a), 0.0))),
+        deps=sorted(edge_bytes),
+    )
 
 
 def _dataflow(compute: list[fx.Node]):
@@ -411,14 +420,7 @@ def predicted_timeline(graph: fx.Graph, edges, devices: list[str], plan: Plan, m
     for edge in edges:
         sizes[(edge.src, edge.dst)] = sizes.get((edge.src, edge.dst), 0.0) + edge.nbytes / m
     actions = make_schedule(plan.schedule, len(devices), m, plan.chunks)
-    timeline = simulate(
-        actions,
-        len(devices),
-        lambda s, _: est[s].forward + models[s].spec.latency,
-        lambda s, _: est[s].backward + models[s].spec.latency,
-        lambda a, b, _: transfer_seconds(models, a, b, sizes.get((a, b), sizes.get((b, a), 0.0))),
-        deps=sorted(sizes),
-    )
+    timeline = _play(actions, models, [e.forward for e in est], [e.backward for e in est], sizes)
     timeline.activation_bytes = {e.index: int(e.activation_bytes) for e in est}
     return timeline
 

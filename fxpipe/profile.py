@@ -136,9 +136,10 @@ def profile(
     names = [n.name for n in graph.nodes if n.op in COMPUTE_OPS]
     forwards: dict[str, list[float]] = {name: [] for name in names}
     backwards: dict[str, list[float]] = {name: [] for name in names}
+    last_users = _last_uses(graph)
     with torch.enable_grad():
         for step in range(repeats + 1):
-            fwd, bwd = _training_step(graph, inputs, resolve, where)
+            fwd, bwd = _training_step(graph, last_users, inputs, resolve, where)
             if step:  # the first step warms up: allocations, weights in cache, kernel setup
                 for name in names:
                     forwards[name].append(fwd[name])
@@ -200,17 +201,22 @@ def _stamper(stamps: list[tuple[float, str]], name: str, where: torch.device):
     return stamp
 
 
-def _training_step(
-    graph: fx.Graph, inputs: list, resolve, where: torch.device
-) -> tuple[dict[str, float], dict[str, float]]:
-    """One forward and backward of the graph: (forward, backward) seconds per compute node."""
+def _last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Per node, the values it is the last user of (freed after it runs, as eager does)."""
     last_users: dict[fx.Node, list[fx.Node]] = {}
     seen: set[fx.Node] = set()
-    for node in reversed(graph.nodes):  # free values after their last use, as eager does
+    for node in reversed(graph.nodes):
         for used in node.all_input_nodes:
             if used not in seen:
                 seen.add(used)
                 last_users.setdefault(node, []).append(used)
+    return last_users
+
+
+def _training_step(
+    graph: fx.Graph, last_users: dict[fx.Node, list[fx.Node]], inputs: list, resolve, where: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One forward and backward of the graph: (forward, backward) seconds per compute node."""
     forward: dict[str, float] = {}
     owner: dict[Any, str] = {}  # autograd Node -> name of the fx node that created it
     env: dict[fx.Node, Any] = {}

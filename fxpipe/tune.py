@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.costs import spec_for
-from fxpipe.devices import check_available
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
 
@@ -74,8 +72,7 @@ def sweep(
     ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
     for counts above the batch size, and what ``fxpipe.partition`` raises.
     """
-    from fxpipe.compiler import partition
-    from fxpipe.pipeline import Pipeline
+    from fxpipe.compiler import build_pipeline, partition
 
     plan = Plan.coerce(plan)
     if not isinstance(example_inputs, tuple):
@@ -103,12 +100,8 @@ def sweep(
             # the split that was predicted, run at this count (split="auto" would otherwise
             # re-split for each count, and the measurement would not be of the prediction);
             # the pipeline places copies of the stages, so the model is not changed
-            for stage in part.stages:
-                check_available(stage.device, f"plan.devices[{stage.index}]")
             at_count = dataclasses.replace(part, plan=plan.replace(microbatches=point.microbatches))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                pipe = Pipeline(at_count, model, loss_fn)
+            pipe = build_pipeline(at_count, model, loss_fn)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
 

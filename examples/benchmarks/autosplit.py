@@ -37,6 +37,7 @@ import torchvision
 from torch import nn
 
 import fxpipe
+from fxpipe.compiler import build_pipeline
 from fxpipe.schedules import make_schedule
 from fxpipe.simulate import simulate
 from fxpipe.tune import plot_sweep, sweep
@@ -153,10 +154,10 @@ def compare(name: str, model: nn.Module, x, target, loss_fn, stages: int, repeat
     pipes: dict[str, list[fxpipe.Pipeline]] = {}
     parts = {}
     for label, (plan, prof) in plans.items():
-        parts[label] = fxpipe.partition(model, plan, example_inputs=(x,), profile=prof)
+        parts[label] = auto if label == "auto" else fxpipe.partition(model, plan, example_inputs=(x,), profile=prof)
         # two compiled copies per split: one pipeline object alone runs a few % faster or
         # slower than another of the same split for as long as it lives (memory layout)
-        pipes[label] = [fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=loss_fn, profile=prof) for _ in range(2)]
+        pipes[label] = [build_pipeline(parts[label], model, loss_fn) for _ in range(2)]
         for pipe in pipes[label]:
             pipe.step(x, target=target)  # warm-up
             pipe.zero_grad()
