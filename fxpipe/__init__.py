@@ -13,13 +13,13 @@ from fxpipe.executor import PipelineError
 from fxpipe.guard import device_guard
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
+from fxpipe.passes.annotate import AnnotateError
+from fxpipe.passes.trace import TraceError
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
 from fxpipe.stage import Stage
 from fxpipe.tune import tune
-from passes.annotate import AnnotateError
-from passes.trace import TraceError
 
 __all__ = [
     "AnnotateError",

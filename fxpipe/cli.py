@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from fxpipe import CompileError, DeviceError, MicrobatchError, PlanError
     from fxpipe.draw import DrawError
-    from passes.annotate import AnnotateError
-    from passes.trace import TraceError
+    from fxpipe.passes.annotate import AnnotateError
+    from fxpipe.passes.trace import TraceError
 
     expected = (CommandError, PlanError, CompileError, AnnotateError, TraceError, DeviceError, MicrobatchError, DrawError)
     try:

@@ -15,15 +15,16 @@ from torch import nn
 from fxpipe.costs import auto_split, ensure_costs, lookup
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
+from fxpipe.passes import annotate as annotate_pass
+from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
+from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH
+from fxpipe.passes.partition import partition as partition_pass
+from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.trace import trace
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
 from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
 from fxpipe.stage import Stage
-from passes import annotate as annotate_pass
-from passes.codegen import build_stage_module, mutated_inputs, stage_graph
-from passes.partition import partition as partition_pass
-from passes.shape_prop import propagate_shapes
-from passes.trace import trace
 
 
 class CompileError(ValueError):
@@ -114,7 +115,7 @@ def partition(
         graph = stage_graph(cut, s)
         extra = _unused_state(model, used) if s == 0 else {}
         module = build_stage_module(graph, resolve, extra, f"Stage{s}")
-        paths = [n.meta.get("module_path", "") for n in graph.nodes if n.op in annotate_pass.COMPUTE_OPS]
+        paths = [n.meta.get(MODULE_PATH, "") for n in graph.nodes if n.op in COMPUTE_OPS]
         inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: num_model_inputs if s == 0 else 0]
         stages.append(Stage(s, devices[s], module, cut.recv_edges(s), cut.send_edges(s), assignment.reasons[s], inputs, paths))
     _check_schedule(plan, cut)

@@ -32,14 +32,20 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.annotate import AnnotateError, StageAssignment
+from fxpipe.passes.autosplit import (
+    SplitInfeasible,
+    SplitProblem,
+    ordered_problem_inputs,
+    refine,
+    solve,
+)
+from fxpipe.passes.cost import NodeCost, cost_of
+from fxpipe.passes.meta import COMPUTE_OPS, COST, EDGE, MEASURED, REASON, STAGE, VAL
+from fxpipe.passes.shape_prop import tensor_bytes
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.schedules import make_schedule
 from fxpipe.simulate import simulate
-from passes.annotate import COMPUTE_OPS, REASON, STAGE, AnnotateError, StageAssignment
-from passes.autosplit import SplitInfeasible, SplitProblem, ordered_problem_inputs, refine, solve
-from passes.cost import COST, NodeCost, cost_of
-from passes.partition import EDGE
-from passes.shape_prop import tensor_bytes
 
 CPU_FLOPS_PER_CORE = 40e9
 CPU_ACTION_LATENCY = 100e-6  # thread hand-off and autograd call per action, measured on the local executor
@@ -47,7 +53,6 @@ OPTIMIZER_STATES = 2  # Adam's two moments; SGD with momentum holds 1
 # split="auto" leaves the exact min-max split for the schedule-refined one only when the
 # simulated step is at least this much shorter: smaller gains are far below the model's error
 REFINE_MIN_GAIN = 0.01
-MEASURED = "measured_time"
 # FLOPs per byte of memory traffic at which a device turns from memory- to compute-bound.
 _BALANCE = {"cpu": 8.0, "cuda": 30.0}
 # Passes over a layer's weights per forward and per backward: reading them, and in
@@ -297,7 +302,7 @@ def _dataflow(compute: list[fx.Node]):
     flow.add_nodes_from(compute)
     members = set(compute)
     for node in compute:
-        size = tensor_bytes(node.meta.get("val"))
+        size = tensor_bytes(node.meta.get(VAL))
         for user in node.users:
             if user in members:
                 flow.add_edge(node, user, bytes=size)
@@ -373,7 +378,7 @@ class StageEstimate:
 
 def ensure_costs(graph: fx.Graph, resolve) -> None:
     """Run the cost pass on ``graph`` unless every compute node already has a cost."""
-    from passes.cost import annotate_costs
+    from fxpipe.passes.cost import annotate_costs
 
     if any(COST not in n.meta for n in graph.nodes if n.op in COMPUTE_OPS and EDGE not in n.meta):
         annotate_costs(graph, resolve)

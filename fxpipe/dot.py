@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from fxpipe.passes.annotate import STAGE
+from fxpipe.passes.partition import EDGE, fxpipe_recv, fxpipe_send
+from fxpipe.passes.shape_prop import describe
 from fxpipe.timeline import _format_seconds
-from passes.annotate import STAGE
-from passes.partition import EDGE, fxpipe_recv, fxpipe_send
-from passes.shape_prop import describe
 
 if TYPE_CHECKING:
     from fxpipe.partitioned import Partitioned

@@ -1,7 +1,7 @@
 """``fxpipe.device_guard``: PaddlePaddle-style device tags written in ``forward``.
 
-Built on ``torch.fx.traceback.annotate``: while fxpipe traces a model (either frontend,
-with ``preserve_node_meta`` on) every node created inside the block records
+Built on ``torch.fx.traceback.annotate`` (see ``fxpipe.passes.tags``): while fxpipe
+traces a model every node created inside the block records
 ``node.meta["custom"]["fxpipe_device"]``. Blocks nest and the innermost wins. Outside
 fxpipe's tracing the guard does nothing at all, so the model runs eagerly unchanged.
 """
@@ -9,32 +9,10 @@ fxpipe's tracing the guard does nothing at all, so the model runs eagerly unchan
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
-from torch.fx import traceback as fx_traceback
-
 from fxpipe.devices import normalize_device
-
-TAG_KEY = "fxpipe_device"
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def tracing() -> Iterator[None]:
-    """Mark the current thread as tracing for fxpipe (guards record tags inside)."""
-    depth = getattr(_state, "depth", 0)
-    _state.depth = depth + 1
-    try:
-        with fx_traceback.preserve_node_meta():
-            yield
-    finally:
-        _state.depth = depth
-
-
-def is_tracing() -> bool:
-    return getattr(_state, "depth", 0) > 0
+from fxpipe.passes.tags import is_tracing, tagged
 
 
 @contextlib.contextmanager
@@ -49,5 +27,5 @@ def device_guard(device: str) -> Iterator[None]:
     if not is_tracing():
         yield
         return
-    with fx_traceback.annotate({TAG_KEY: name}):
+    with tagged(name):
         yield

@@ -11,10 +11,10 @@ import torch.fx as fx
 
 from fxpipe.costs import StageEstimate, ensure_costs, estimate_stages, lookup, predicted_timeline
 from fxpipe.costs import _fmt_s as _fmt_seconds
+from fxpipe.passes.partition import PartitionedGraph
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
 from fxpipe.timeline import Timeline
-from passes.partition import PartitionedGraph
 
 
 def _fmt_bytes(n: float) -> str:

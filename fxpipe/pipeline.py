@@ -14,11 +14,11 @@ from fxpipe import microbatch
 from fxpipe.devices import torch_device
 from fxpipe.executor import LocalExecutor, RuntimeStage
 from fxpipe.partitioned import Partitioned
+from fxpipe.passes.codegen import mutated_inputs
 from fxpipe.placement import place
 from fxpipe.schedules import forward_only, make_schedule
 from fxpipe.stage import Stage
 from fxpipe.views import PipelineViews
-from passes.codegen import mutated_inputs
 
 
 class Pipeline(PipelineViews):

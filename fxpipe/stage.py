@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from passes.partition import Edge
+from fxpipe.passes.partition import Edge
 
 
 @dataclass

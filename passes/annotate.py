@@ -25,12 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, REASON, STAGE
+from fxpipe.passes.tags import has_tags, tag_of
 
-from fxpipe.guard import TAG_KEY
-
-STAGE = "stage"
-REASON = "stage_reason"
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
+__all__ = ["COMPUTE_OPS", "REASON", "STAGE", "AnnotateError", "StageAssignment", "has_tags", "tag_of"]
 
 
 class AnnotateError(ValueError):
@@ -44,15 +42,6 @@ class StageAssignment:
     num_stages: int
     tag_devices: list[str] | None
     reasons: list[str]
-
-
-def tag_of(node: fx.Node) -> str | None:
-    custom = node.meta.get("custom") or {}
-    return custom.get(TAG_KEY)
-
-
-def has_tags(graph: fx.Graph) -> bool:
-    return any(tag_of(n) is not None for n in graph.nodes)
 
 
 def annotate_by_tags(graph: fx.Graph) -> StageAssignment:
@@ -87,7 +76,7 @@ def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise AnnotateError(f"plan.split[{i}] = {path!r} is not a module of the model{hint}")
         first = next(
-            (k for k, n in enumerate(nodes) if n.op in COMPUTE_OPS and _within(n.meta.get("module_path", ""), path)),
+            (k for k, n in enumerate(nodes) if n.op in COMPUTE_OPS and _within(n.meta.get(MODULE_PATH, ""), path)),
             None,
         )
         if first is None:
@@ -194,7 +183,7 @@ def check_monotone(graph: fx.Graph) -> None:
         for arg in node.all_input_nodes:
             if arg.op != "get_attr" and arg.meta[STAGE] > node.meta[STAGE]:
                 raise AnnotateError(
-                    f"node {node.name!r} (stage {node.meta[STAGE]}, module {node.meta.get('module_path')!r}) "
+                    f"node {node.name!r} (stage {node.meta[STAGE]}, module {node.meta.get(MODULE_PATH)!r}) "
                     f"uses {arg.name!r} from the later stage {arg.meta[STAGE]}: stages must follow program order; "
                     "tag the node's block with the later device or move the split point"
                 )

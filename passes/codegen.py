@@ -18,10 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
+from fxpipe.passes.meta import EDGE, STAGE
+from fxpipe.passes.partition import PartitionedGraph, fxpipe_recv, fxpipe_send
 from torch import nn
-
-from passes.annotate import STAGE
-from passes.partition import EDGE, PartitionedGraph, fxpipe_recv, fxpipe_send
 
 
 def stage_graph(partitioned: PartitionedGraph, stage: int) -> fx.Graph:

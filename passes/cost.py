@@ -29,14 +29,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from fxpipe.passes.meta import COMPUTE_OPS, COST, VAL
+from fxpipe.passes.shape_prop import tensor_bytes
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
-
-from passes.shape_prop import tensor_bytes
-
-COST = "cost"
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ def _count_node(node: fx.Node, resolve: Callable[[str], Any], mode: FakeTensorMo
                 fake = mode.from_tensor(real, static_shapes=True)
                 return fake.detach().requires_grad_(real.requires_grad) if isinstance(real, torch.nn.Parameter) else fake
             return real
-        return pytree.tree_map(lambda v: _fresh(v, wrt), arg.meta.get("val"))
+        return pytree.tree_map(lambda v: _fresh(v, wrt), arg.meta.get(VAL))
 
     wrt: list[torch.Tensor] = []
     with mode:
@@ -173,15 +170,15 @@ def annotate_costs(graph: fx.Graph, resolve: Callable[[str], Any]) -> None:
             node.meta[COST] = NodeCost(param_bytes=trainable, buffer_bytes=frozen)
             continue
         if node.op == "placeholder":
-            for t in pytree.tree_leaves(node.meta.get("val")):
+            for t in pytree.tree_leaves(node.meta.get(VAL)):
                 if isinstance(t, torch.Tensor):
                     seen_storages.add(_storage_key(t))
             continue
         if node.op not in COMPUTE_OPS:
             continue
-        out = node.meta.get("val")
+        out = node.meta.get(VAL)
         out_tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        in_bytes = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes if a.op != "get_attr")
+        in_bytes = sum(tensor_bytes(a.meta.get(VAL)) for a in node.all_input_nodes if a.op != "get_attr")
         fresh = []
         for t in out_tensors:
             key = _storage_key(t)

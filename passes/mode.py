@@ -21,6 +21,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from fxpipe.passes.meta import CUSTOM, MODULE_PATH
 from torch import nn
 
 FLAG = "fxpipe_training"
@@ -70,7 +71,7 @@ def bind_mode(graph: fx.Graph, root: nn.Module) -> int:
 def _flag_before(graph: fx.Graph, node: fx.Node) -> fx.Node:
     with graph.inserting_before(node):
         flag = graph.call_module(FLAG)
-    flag.meta.update({k: v for k, v in node.meta.items() if k in ("custom", "nn_module_stack", "module_path")})
+    flag.meta.update({k: v for k, v in node.meta.items() if k in (CUSTOM, "nn_module_stack", MODULE_PATH)})
     return flag
 
 

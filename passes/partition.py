@@ -20,11 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
-
-from passes.annotate import STAGE
-from passes.shape_prop import describe, tensor_bytes
-
-EDGE = "edge"
+from fxpipe.passes.meta import EDGE, MODULE_PATH, STAGE, VAL
+from fxpipe.passes.shape_prop import describe, tensor_bytes
 
 
 def fxpipe_send(value: Any, dst: int) -> Any:
@@ -96,12 +93,12 @@ def partition(graph: fx.Graph, num_stages: int) -> PartitionedGraph:
             return mapped[arg]
         key = (arg, stage)
         if key not in received:
-            edge = Edge(arg.name, src, stage, arg.meta.get("val"))
+            edge = Edge(arg.name, src, stage, arg.meta.get(VAL))
             send = new.create_node("call_function", fxpipe_send, (mapped[arg],), {"dst": stage}, name=f"send_{arg.name}_to_{stage}")
             recv = new.create_node("call_function", fxpipe_recv, (send,), {"src": src}, name=f"{arg.name}_at_{stage}")
             for node, where in ((send, src), (recv, stage)):
-                node.meta.update({STAGE: where, EDGE: edge, "val": arg.meta.get("val")})
-                node.meta["module_path"] = arg.meta.get("module_path", "")
+                node.meta.update({STAGE: where, EDGE: edge, VAL: arg.meta.get(VAL)})
+                node.meta[MODULE_PATH] = arg.meta.get(MODULE_PATH, "")
             edges.append(edge)
             received[key] = recv
         return received[key]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from fxpipe.passes.meta import VAL
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 
@@ -62,7 +63,7 @@ class _FakeInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        n.meta["val"] = result
+        n.meta[VAL] = result
         return result
 
 

@@ -9,7 +9,7 @@ Frontends
 ``auto``    fx first, export when fx fails (the result says which one ran).
 
 Writes, per node: ``node.meta["custom"]["fxpipe_device"]`` (device_guard tags, recorded by
-``torch.fx.traceback``) and ``node.meta["module_path"]``: the qualified name of the
+``torch.fx.traceback``) and ``node.meta[MODULE_PATH]``: the qualified name of the
 innermost module whose forward created the node ("" for the root).
 
 Tracing never changes the model: module attributes are snapshotted before and restored
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from fxpipe.passes.meta import MODULE_PATH
+from fxpipe.passes.mode import bind_mode
+from fxpipe.passes.tags import tracing
 from torch import nn
 from torch.fx import _pytree as fx_pytree
-
-from fxpipe.guard import tracing
-from passes.mode import bind_mode
 
 
 class TraceError(RuntimeError):
@@ -85,7 +85,7 @@ class PipeTracer(fx.Tracer):
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
-        node.meta["module_path"] = node.target if node.op == "call_module" else self.path_stack[-1]
+        node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
         return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -229,7 +229,7 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
         stack = node.meta.get("nn_module_stack")
         paths = [_clean_path(path) for path, _ in (stack or {}).values()]
         paths = [p for p in paths if not p.startswith("_empty_nn_module_stack")]
-        node.meta["module_path"] = paths[-1] if paths else ""
+        node.meta[MODULE_PATH] = paths[-1] if paths else ""
         # export's input-guard check: shapes are checked by fxpipe itself per micro-batch
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)

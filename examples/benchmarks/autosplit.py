@@ -34,6 +34,8 @@ import time
 import networkx as nx
 import torch
 import torchvision
+from fxpipe.passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
+from fxpipe.passes.partition import EDGE
 from torch import nn
 
 import fxpipe
@@ -41,8 +43,6 @@ from fxpipe.compiler import build_pipeline
 from fxpipe.schedules import make_schedule
 from fxpipe.simulate import simulate
 from fxpipe.tune import plot_sweep, sweep
-from passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
-from passes.partition import EDGE
 
 
 class Encoder(nn.Module):
