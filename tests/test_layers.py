@@ -84,3 +84,12 @@ def test_schedules_import_no_torch() -> None:
 def test_top_level_passes_name_is_not_installed() -> None:
     result = subprocess.run([sys.executable, "-c", "import passes"], capture_output=True, text=True, cwd="/")
     assert result.returncode != 0, "a top-level 'passes' package is importable: it would clash with other projects"
+
+
+def test_pyproject_lists_every_package() -> None:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fxpipe").rglob("__init__.py")}
+    assert found | {"fxpipe.passes"} == listed, f"pyproject.toml [tool.setuptools] packages must list {sorted(found)}"
