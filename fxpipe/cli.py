@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from fxpipe import CompileError, DeviceError, MicrobatchError, PlanError
-    from fxpipe.draw import DrawError
+    from fxpipe.drawing.render import DrawError
     from fxpipe.passes.annotate import AnnotateError
     from fxpipe.passes.trace import TraceError
 

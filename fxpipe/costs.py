@@ -24,7 +24,6 @@ count from the device when there is one, else assumes a 20 TFLOP/s, 16 GB GPU on
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpipe import format as fmt
 from fxpipe.passes.annotate import AnnotateError, StageAssignment
 from fxpipe.passes.autosplit import (
     SplitInfeasible,
@@ -246,14 +246,14 @@ def auto_split(graph: fx.Graph, plan: Plan) -> StageAssignment:
     reasons = []
     for k, t in enumerate(stage_times):
         reasons.append(
-            f"cost model: {_fmt_s(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
-            f"memory {_fmt_b(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {_fmt_b(problem.memory[k])}"
+            f"cost model: {fmt.seconds(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
+            f"memory {fmt.nbytes(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {fmt.nbytes(problem.memory[k])}"
             + ("; the slowest stage" if t == max(stage_times) else "")
         )
     if bounds != split.boundaries:
         reasons[0] += (
-            f"; cuts moved from the min-max split (slowest stage {_fmt_s(split.bottleneck)}, step "
-            f"{_fmt_s(minmax_step)}) to the predicted best {plan.schedule} step with {m} micro-batches ({_fmt_s(refined_step)})"
+            f"; cuts moved from the min-max split (slowest stage {fmt.seconds(split.bottleneck)}, step "
+            f"{fmt.seconds(minmax_step)}) to the predicted best {plan.schedule} step with {m} micro-batches ({fmt.seconds(refined_step)})"
         )
     how = "min-max split" + (f", refined for the {plan.schedule} schedule" if bounds != split.boundaries else "")
     for k in range(num_stages):
@@ -335,9 +335,9 @@ def _infeasible_message(err: SplitInfeasible, devices, problem: SplitProblem, or
         acts = err.needed[k] - state
         over = "  <-- too small" if err.needed[k] > err.limits[k] else ""
         lines.append(
-            f"  stage {k} on {dev} ({order[i].name} … {order[j - 1].name}): {_fmt_b(err.needed[k])} "
-            f"(state {_fmt_b(state)}, activations {_fmt_b(acts)} for {flight[k]} micro-batch(es) in flight), "
-            f"has {_fmt_b(err.limits[k])}{over}"
+            f"  stage {k} on {dev} ({order[i].name} … {order[j - 1].name}): {fmt.nbytes(err.needed[k])} "
+            f"(state {fmt.nbytes(state)}, activations {fmt.nbytes(acts)} for {flight[k]} micro-batch(es) in flight), "
+            f"has {fmt.nbytes(err.limits[k])}{over}"
         )
     lines.append(
         "give the devices more memory in plan.device_specs, add devices, use checkpoint=True, "
@@ -441,20 +441,3 @@ def lookup(roots: list[Any], target: str) -> Any:
         except AttributeError:
             continue
     raise AttributeError(f"none of the stage modules holds {target!r}")
-
-
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.0f} µs"
-
-
-def _fmt_b(n: float) -> str:
-    if not math.isfinite(n):
-        return "unlimited"
-    for unit, scale in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"

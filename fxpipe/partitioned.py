@@ -9,27 +9,12 @@ from typing import Any
 
 import torch.fx as fx
 
+from fxpipe import format as fmt
 from fxpipe.costs import StageEstimate, ensure_costs, estimate_stages, lookup, predicted_timeline
-from fxpipe.costs import _fmt_s as _fmt_seconds
 from fxpipe.passes.partition import PartitionedGraph
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
 from fxpipe.timeline import Timeline
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
-def _fmt_count(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
 
 
 @dataclass
@@ -77,13 +62,13 @@ class Partitioned:
                     str(s.index),
                     s.device,
                     str(s.num_nodes),
-                    _fmt_count(s.num_parameters),
-                    _fmt_bytes(s.parameter_bytes),
-                    _fmt_count(est.flops),
-                    _fmt_seconds(est.time),
-                    _fmt_bytes(est.memory),
-                    f"{len(s.inputs)} ({_fmt_bytes(s.recv_bytes)})",
-                    f"{len(s.outputs)} ({_fmt_bytes(s.send_bytes)})",
+                    fmt.count(s.num_parameters),
+                    fmt.nbytes(s.parameter_bytes),
+                    fmt.count(est.flops),
+                    fmt.seconds(est.time),
+                    fmt.nbytes(est.memory),
+                    f"{len(s.inputs)} ({fmt.nbytes(s.recv_bytes)})",
+                    f"{len(s.outputs)} ({fmt.nbytes(s.send_bytes)})",
                     s.module_range,
                 )
             )
@@ -103,15 +88,15 @@ class Partitioned:
         for s, est in zip(self.stages, self.estimates()):
             lines.append(f"stage {s.index} on {s.device}: {s.reason}; modules {s.module_range}")
             lines.append(
-                f"    cost model, per micro-batch: forward {_fmt_seconds(est.forward)}, backward "
-                f"{_fmt_seconds(est.backward)}, send/recv {_fmt_seconds(est.comm)}; memory {_fmt_bytes(est.memory)} "
-                f"(state {_fmt_bytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
-                f"x {_fmt_bytes(est.activation_bytes)})"
+                f"    cost model, per micro-batch: forward {fmt.seconds(est.forward)}, backward "
+                f"{fmt.seconds(est.backward)}, send/recv {fmt.seconds(est.comm)}; memory {fmt.nbytes(est.memory)} "
+                f"(state {fmt.nbytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
+                f"x {fmt.nbytes(est.activation_bytes)})"
             )
             for e in s.inputs:
-                lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({_fmt_bytes(e.nbytes)})")
+                lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")
             for e in s.outputs:
-                lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({_fmt_bytes(e.nbytes)})")
+                lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({fmt.nbytes(e.nbytes)})")
         return "\n".join(lines)
 
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
@@ -138,7 +123,7 @@ class Partitioned:
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""
-        from fxpipe.dot import partition_dot
+        from fxpipe.drawing.diagram import partition_dot
 
         return partition_dot(self, level=level)
 
@@ -147,8 +132,8 @@ class Partitioned:
 
         level: "node" (every node), "stage" (a box per stage) or "auto" (stage view for
         big graphs). Uses Graphviz when installed, a matplotlib renderer otherwise; see
-        ``fxpipe.draw.draw`` for what it raises.
+        ``fxpipe.drawing.render.draw`` for what it raises.
         """
-        from fxpipe.draw import draw
+        from fxpipe.drawing.render import draw
 
         return draw(self, path, level=level, renderer=renderer)

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fxpipe import format as fmt
+
 KINDS = ("predicted", "measured")
 COMPUTE_OPS = ("F", "B")
 EVENT_OPS = ("F", "B", "send", "recv")
@@ -143,7 +145,7 @@ class Timeline:
         step = self.step_time
         lines = [
             f"{self.kind} timeline: {self.num_workers} workers, {len(self._events)} events",
-            f"step time {_format_seconds(step)}, bubble {self.bubble_fraction:.1%}",
+            f"step time {fmt.seconds(step)}, bubble {self.bubble_fraction:.1%}",
         ]
         devices = {e.worker: e.device for e in self._events if e.device}
         for w in range(self.num_workers):
@@ -151,12 +153,12 @@ class Timeline:
             share = busy / step if step else 0.0
             on = f" ({devices[w]})" if w in devices else ""
             lines.append(
-                f"  worker {w}{on}: busy {_format_seconds(busy)} ({share:.1%} of the step)"
+                f"  worker {w}{on}: busy {fmt.seconds(busy)} ({share:.1%} of the step)"
             )
         for stage, held in self.peak_in_flight().items():
             line = f"  stage {stage}: up to {held} micro-batches in flight"
             if stage in self.activation_bytes:
-                line += f", {_format_bytes(held * self.activation_bytes[stage])} of activations"
+                line += f", {fmt.nbytes(held * self.activation_bytes[stage])} of activations"
             lines.append(line)
         return "\n".join(lines)
 
@@ -197,165 +199,13 @@ class Timeline:
         Raises:
             ImportError: if matplotlib is not installed (``pip install fxpipe[plot]``).
         """
-        import matplotlib
+        from fxpipe.drawing.gantt import plot_timelines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        plot_timelines([self] if other is None else [self, other], path, title)
 
-        timelines = [self] if other is None else [self, other]
-        span = max(t.step_time for t in timelines) or 1.0
-        scale, unit = _time_unit(span)
-        compute = [e for t in timelines for e in t.events if e.op in COMPUTE_OPS]
-        per_row = max(
-            (sum(e.worker == w for e in t.events) for t in timelines for w in range(t.num_workers)),
-            default=0,
-        )
-        # Wide enough for a readable box per action, up to a size a screen still shows.
-        width = min(30.0, max(12.0, 0.3 * per_row))
-        rows = sum(t.num_workers for t in timelines)
-        fig, axes = plt.subplots(
-            len(timelines),
-            1,
-            sharex=True,
-            squeeze=False,
-            figsize=(width, 1.2 + 0.45 * rows + 0.6 * len(timelines)),
-        )
-        label_size = _label_size(compute, points_per_second=width * 72 * 0.8 / span)
-        multi_chunk = False
-        for ax, timeline in zip(axes[:, 0], timelines):
-            multi_chunk |= timeline._draw(ax, scale, label_size)
-        axes[-1, 0].set_xlabel(f"time ({unit})")
-        axes[-1, 0].set_xlim(0, span * scale * 1.01)
-        legend = [
-            Patch(color=_COLOURS["F"][0], label="forward"),
-            Patch(color=_COLOURS["B"][0], label="backward"),
-            Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)"),
-        ]
-        if multi_chunk:
-            legend += [
-                Patch(color=_COLOURS["F"][1], label="forward, later chunk"),
-                Patch(color=_COLOURS["B"][1], label="backward, later chunk"),
-            ]
-        if any(e.op not in COMPUTE_OPS for t in timelines for e in t.events):
-            legend.append(Patch(color=_COMM_COLOUR, label="send / recv"))
-        fig.legend(handles=legend, loc="upper right", ncol=len(legend), frameon=False)
-        if title:
-            fig.suptitle(title, x=0.01, ha="left")
-        fig.tight_layout(rect=(0, 0, 1, 0.97))
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-
-    def _title(self) -> str:
+    def title(self) -> str:
+        """One line: the kind, step time and bubble (the chart title)."""
         return (
-            f"{self.kind}: step {_format_seconds(self.step_time)}, "
+            f"{self.kind}: step {fmt.seconds(self.step_time)}, "
             f"bubble {self.bubble_fraction:.1%}"
         )
-
-    def _draw(self, ax: Any, scale: float, label_size: float | None) -> bool:
-        """Draws the rows of this timeline on ``ax``; returns whether a worker holds
-        several stages (so the legend explains the chunk shades)."""
-        origin = min((e.start for e in self._events), default=0.0)
-        stages_of: dict[int, list[int]] = defaultdict(list)
-        for e in self._events:
-            if e.stage not in stages_of[e.worker]:
-                stages_of[e.worker].append(e.stage)
-        # A stage's chunk: its rank among the stages its worker holds.
-        chunk_of = {
-            (w, s): k for w, stages in stages_of.items() for k, s in enumerate(sorted(stages))
-        }
-        devices = {e.worker: e.device for e in self._events if e.device}
-        # A hatched band under each row: whatever forwards and backwards leave uncovered
-        # is the worker's idle time, the pipeline bubble.
-        for worker in range(self.num_workers):
-            ax.barh(
-                worker, self.step_time * scale, left=0, height=0.6, color=_IDLE_COLOUR,
-                hatch="////", edgecolor=_IDLE_EDGE, linewidth=0, zorder=0,
-            )
-        for e in self._events:
-            left, width = (e.start - origin) * scale, e.duration * scale
-            if e.op not in COMPUTE_OPS:
-                ax.barh(e.worker + 0.38, width, left=left, height=0.1, color=_COMM_COLOUR)
-                continue
-            shades = _COLOURS[e.op]
-            ax.barh(
-                e.worker,
-                width,
-                left=left,
-                height=0.6,
-                color=shades[chunk_of[e.worker, e.stage] % len(shades)],
-                edgecolor="white",
-                linewidth=0.8,
-            )
-            if label_size:
-                ax.text(
-                    left + width / 2,
-                    e.worker,
-                    str(e.microbatch),
-                    ha="center",
-                    va="center",
-                    fontsize=label_size,
-                    color="white",
-                )
-        ax.set_yticks(range(self.num_workers))
-        ax.set_yticklabels(
-            [_row_label(w, devices.get(w), stages_of[w]) for w in range(self.num_workers)]
-        )
-        ax.set_ylim(self.num_workers - 0.5, -0.5)
-        ax.grid(axis="x", color="#dddddd", linewidth=0.6)
-        ax.set_axisbelow(True)
-        ax.set_title(self._title(), fontsize=10, loc="left")
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
-        return any(len(stages) > 1 for stages in stages_of.values())
-
-
-# Forward blues and backward oranges, one shade per chunk a worker holds.
-_COLOURS = {
-    "F": ("#3a78b5", "#1f4e79", "#6fa3d6", "#0f2d4a"),
-    "B": ("#e07b28", "#a3520f", "#f0a868", "#6b3306"),
-}
-_COMM_COLOUR = "#9a9a9a"
-_IDLE_COLOUR = "#f4f4f5"
-_IDLE_EDGE = "#d4d4d8"
-
-
-def _label_size(compute: list[Event], points_per_second: float) -> float | None:
-    """One font size for every micro-batch label, the largest that fits the narrowest box;
-    None when that would be unreadably small."""
-    if not compute:
-        return None
-    narrowest = min(e.duration for e in compute) * points_per_second
-    digits = max(len(str(e.microbatch)) for e in compute)
-    size = min(9.0, narrowest / (0.6 * digits + 0.3))
-    return size if size >= 5 else None
-
-
-def _row_label(worker: int, device: str | None, stages: list[int]) -> str:
-    label = f"worker {worker}"
-    if device:
-        label += f" ({device})"
-    if len(stages) > 1:
-        label += "\nstages " + ", ".join(map(str, sorted(stages)))
-    return label
-
-
-def _time_unit(seconds: float) -> tuple[float, str]:
-    if seconds >= 1:
-        return 1.0, "s"
-    if seconds >= 1e-3:
-        return 1e3, "ms"
-    return 1e6, "µs"
-
-
-def _format_seconds(seconds: float) -> str:
-    scale, unit = _time_unit(seconds) if seconds else (1.0, "s")
-    return f"{seconds * scale:.4g} {unit}"
-
-
-def _format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(count) < 1024:
-            return f"{count:.4g} {unit}"
-        count /= 1024
-    return f"{count:.4g} GiB"

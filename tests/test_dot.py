@@ -8,10 +8,9 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import dot
-from fxpipe.dot import module_outline, partition_diagram, partition_dot
-from fxpipe.partitioned import _fmt_bytes
-from fxpipe.timeline import _format_seconds
+from fxpipe import format as fmt
+from fxpipe.drawing import diagram as dot
+from fxpipe.drawing.diagram import module_outline, partition_diagram, partition_dot
 
 
 class SkipNet(nn.Module):
@@ -64,7 +63,7 @@ def test_stage_view_is_a_box_per_stage_with_modules_params_flops_and_edge_totals
 def test_stage_boxes_carry_the_cost_models_flops_time_and_memory(part):
     source = part.to_dot("stage")
     for estimate in part.estimates():
-        line = f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}"
+        line = f"predicted {fmt.seconds(estimate.time)} per micro-batch · memory {fmt.nbytes(estimate.memory)}"
         assert line in source
     assert source.count("FLOP forward per batch") == 3
 

@@ -9,9 +9,9 @@ import torch
 from test_dot import SkipNet
 
 import fxpipe
-from fxpipe import draw as draw_module
-from fxpipe.dot import partition_diagram
-from fxpipe.draw import DrawError, draw, fallback_size, layout
+from fxpipe.drawing import render as draw_module
+from fxpipe.drawing.diagram import partition_diagram
+from fxpipe.drawing.render import DrawError, draw, fallback_size, layout
 
 needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
 

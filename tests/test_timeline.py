@@ -130,9 +130,9 @@ def test_empty_timeline_has_zero_step_and_bubble():
 def test_summary_and_to_dict_report_the_figures():
     timeline = _measured()
     text = timeline.summary()
-    assert "step time 6 s, bubble 54.2%" in text
-    assert "worker 1 (cuda:0): busy 3 s" in text
-    assert "stage 0: up to 1 micro-batches in flight, 3 MiB of activations" in text
+    assert "step time 6.00 s, bubble 54.2%" in text
+    assert "worker 1 (cuda:0): busy 3.00 s" in text
+    assert "stage 0: up to 1 micro-batches in flight, 3.0 MiB of activations" in text
     data = json.loads(json.dumps(timeline.to_dict()))
     assert data["kind"] == "measured"
     assert data["busy_time"] == [2.5, 3.0]

@@ -12,7 +12,7 @@ Two views of a :class:`~fxpipe.partitioned.Partitioned`:
 
 ``"auto"`` picks the stage view above ``NODE_VIEW_LIMIT`` nodes. A view is first built
 as a :class:`Diagram` (plain data), which ``Diagram.to_dot`` turns into Graphviz text and
-``fxpipe.draw`` renders, with Graphviz or its own matplotlib fallback.
+``fxpipe.drawing.render`` renders, with Graphviz or its own matplotlib fallback.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from fxpipe import format as fmt
 from fxpipe.passes.annotate import STAGE
 from fxpipe.passes.partition import EDGE, fxpipe_recv, fxpipe_send
 from fxpipe.passes.shape_prop import describe
-from fxpipe.timeline import _format_seconds
 
 if TYPE_CHECKING:
     from fxpipe.partitioned import Partitioned
@@ -164,11 +164,10 @@ def partition_dot(part: Partitioned, level: str = "auto") -> str:
 
 # ------------------------------------------------------------------ node view
 def _node_diagram(part: Partitioned) -> Diagram:
-    from fxpipe.partitioned import _fmt_bytes, _fmt_count
 
     diagram = Diagram(
         f"{part.model_name}: {part.num_stages} stage(s), node view", "node", "TB",
-        clusters=[_cluster(s, f"stage {s.index} · {s.device} · {_fmt_count(s.num_parameters)} params") for s in part.stages],
+        clusters=[_cluster(s, f"stage {s.index} · {s.device} · {fmt.count(s.num_parameters)} params") for s in part.stages],
     )
     modules = {s.index: s.module for s in part.stages}
     for node in part.graph.nodes:
@@ -188,7 +187,7 @@ def _node_diagram(part: Partitioned) -> Diagram:
                 continue
             if _is_port(node) and node.target is fxpipe_recv:
                 edge = node.meta[EDGE]
-                diagram.links.append(Link(arg.name, node.name, f"{edge.description} · {_fmt_bytes(edge.nbytes)}", cut=True))
+                diagram.links.append(Link(arg.name, node.name, f"{edge.description} · {fmt.nbytes(edge.nbytes)}", cut=True))
             else:
                 diagram.links.append(Link(arg.name, node.name))
     return diagram
@@ -224,7 +223,6 @@ def _module_class(module: fx.GraphModule, target: str) -> str:
 
 # ----------------------------------------------------------------- stage view
 def _stage_diagram(part: Partitioned) -> Diagram:
-    from fxpipe.partitioned import _fmt_bytes, _fmt_count
 
     microbatches = part.plan.microbatches
     # A row of stages reads best up to four; more stack downwards.
@@ -237,9 +235,9 @@ def _stage_diagram(part: Partitioned) -> Diagram:
     for stage, estimate in zip(part.stages, part.estimates()):
         lines = [f"stage {stage.index} · {stage.device}"]
         lines += _wrap(module_outline(stage.module_paths), 44)
-        lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {_fmt_count(stage.num_parameters)} params ({_fmt_bytes(stage.parameter_bytes)})")
-        lines.append(f"{_fmt_flops(estimate.flops)} forward per batch")
-        lines.append(f"predicted {_format_seconds(estimate.time)} per micro-batch · memory {_fmt_bytes(estimate.memory)}")
+        lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {fmt.count(stage.num_parameters)} params ({fmt.nbytes(stage.parameter_bytes)})")
+        lines.append(f"{fmt.flops(estimate.flops)} forward per batch")
+        lines.append(f"predicted {fmt.seconds(estimate.time)} per micro-batch · memory {fmt.nbytes(estimate.memory)}")
         diagram.boxes.append(Box(f"stage{stage.index}", lines, _fill(stage.index), _border(stage.index)))
     if inputs:
         diagram.links.append(Link("input", "stage0"))
@@ -248,9 +246,9 @@ def _stage_diagram(part: Partitioned) -> Diagram:
         pairs[(edge.src, edge.dst)].append(edge)
     for (src, dst), edges in sorted(pairs.items()):
         nbytes = sum(e.nbytes for e in edges)
-        label = f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {_fmt_bytes(nbytes)}"
+        label = f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {fmt.nbytes(nbytes)}"
         if microbatches > 1:
-            label += f"\n{_fmt_bytes(nbytes / microbatches)} per micro-batch"
+            label += f"\n{fmt.nbytes(nbytes / microbatches)} per micro-batch"
         diagram.links.append(Link(f"stage{src}", f"stage{dst}", label, cut=True))
     output = next((n for n in part.graph.nodes if n.op == "output"), None)
     if output is not None:
@@ -314,13 +312,6 @@ def _wrap(text: str, width: int) -> list[str]:
         else:
             lines.append(item)
     return lines
-
-
-def _fmt_flops(count: float) -> str:
-    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.3g} {unit}"
-    return f"{count:.0f} FLOP"
 
 
 def _html(lines: list[str], bold_title: bool = True) -> str:
