@@ -9,7 +9,6 @@ interleaved-1F1B schedule.
 from fxpipe.compiler import CompileError, compile, partition
 from fxpipe.devices import DeviceError
 from fxpipe.distributed import DistributedPipeline, RankFailedError
-from fxpipe.executor import PipelineError
 from fxpipe.guard import device_guard
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
@@ -18,6 +17,7 @@ from fxpipe.passes.trace import TraceError
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
+from fxpipe.runtime.local import PipelineError
 from fxpipe.stage import Stage
 from fxpipe.tune import tune
 

@@ -110,6 +110,7 @@ def partition(
     cut = partition_pass(gm.graph, assignment.num_stages)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    edge_index = {id(e): k for k, e in enumerate(cut.edges)}
     stages = []
     for s in range(assignment.num_stages):
         graph = stage_graph(cut, s)
@@ -117,7 +118,15 @@ def partition(
         module = build_stage_module(graph, resolve, extra, f"Stage{s}")
         paths = [n.meta.get(MODULE_PATH, "") for n in graph.nodes if n.op in COMPUTE_OPS]
         inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: num_model_inputs if s == 0 else 0]
-        stages.append(Stage(s, devices[s], module, cut.recv_edges(s), cut.send_edges(s), assignment.reasons[s], inputs, paths))
+        recv, send = cut.recv_edges(s), cut.send_edges(s)
+        stages.append(
+            Stage(
+                s, devices[s], module, recv, send, assignment.reasons[s], inputs, paths,
+                recv_ids=[edge_index[id(e)] for e in recv],
+                send_ids=[edge_index[id(e)] for e in send],
+                mutated_inputs=mutated_inputs(graph, module.get_submodule),
+            )
+        )
     _check_schedule(plan, cut)
     return Partitioned(
         plan, type(model).__name__, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
@@ -189,8 +198,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     if distributed_requested():
         from fxpipe.distributed import DistributedPipeline
 
-        mutated = [mutated_inputs(s.module.graph, lambda t, m=s.module: m.get_submodule(t)) for s in part.stages]
-        return DistributedPipeline(part, model, loss_fn, weights=weights, mutated_inputs=mutated)
+        return DistributedPipeline(part, model, loss_fn, weights=weights)
     if _on_meta(model):
         raise CompileError(
             f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "

@@ -1,10 +1,13 @@
-"""``Pipeline``: a compiled model whose stages sit on their devices, run on a schedule."""
+"""``Pipeline``: a compiled model whose stages sit on this machine's devices.
+
+Stage modules are placed as copies (see :mod:`fxpipe.placement`); a
+:class:`~fxpipe.runtime.local.LocalExecutor` runs them on the plan's schedule, one thread
+per pipeline worker.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,16 +15,14 @@ from torch import nn
 
 from fxpipe import microbatch
 from fxpipe.devices import torch_device
-from fxpipe.executor import LocalExecutor, RuntimeStage
 from fxpipe.partitioned import Partitioned
-from fxpipe.passes.codegen import mutated_inputs
 from fxpipe.placement import place
-from fxpipe.schedules import forward_only, make_schedule
-from fxpipe.stage import Stage
-from fxpipe.views import PipelineViews
+from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.local import LocalExecutor
+from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
 
 
-class Pipeline(PipelineViews):
+class Pipeline(PipelineBase):
     """A model split into stages on devices. See ``fxpipe.compile``.
 
     Attributes: stages (Stage list, modules on their devices), graph (the partitioned
@@ -29,121 +30,35 @@ class Pipeline(PipelineViews):
     """
 
     def __init__(self, part: Partitioned, model: nn.Module, loss_fn: Any = None) -> None:
-        self.part = part
-        self.plan = part.plan
-        self.loss_fn = loss_fn
-        self.frontend = part.frontend
-        devices = [torch_device(s.device) for s in part.stages]
         self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model)
-        self.stages = [
-            Stage(s.index, s.device, module, s.inputs, s.outputs, s.reason, s.model_inputs, s.module_paths)
-            for s, module in zip(part.stages, self._placement.modules)
-        ]
+        self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
         # from here on the partition describes the placed stages: nothing in the pipeline
         # refers to the user's modules, which can be freed
-        self.part = dataclasses.replace(part, stages=self.stages)
-        self._executor = LocalExecutor(self._runtime_stages(devices), checkpoint=self.plan.checkpoint)
-        self._schedules: dict[int, list] = {}
-        self._last_events: list = []
-        self.training = model.training
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model.training)
+        self._params, self._state = self._placement.params, self._placement.state
+        self._modules = self._placement.modules
+        runners = [
+            make_runner(s, s.module, torch_device(s.device), len(self.stages), self.plan.checkpoint) for s in self.stages
+        ]
+        edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
+        self._executor = LocalExecutor(runners, edge_ends, self.plan.timeout)
 
-    # ------------------------------------------------------------------ running
-    def _runtime_stages(self, devices: list[torch.device]) -> list[RuntimeStage]:
-        edge_ids = {id(e): k for k, e in enumerate(self.part.partitioned.edges)}
-        last = len(self.stages) - 1
-        runtime = []
-        for stage, device in zip(self.stages, devices):
-            runtime.append(
-                RuntimeStage(
-                    index=stage.index,
-                    module=stage.module,
-                    device=device,
-                    num_model_inputs=len(stage.model_inputs),
-                    recv=[edge_ids[id(e)] for e in stage.inputs],
-                    send=[edge_ids[id(e)] for e in stage.outputs],
-                    is_last=stage.index == last,
-                    name=stage.device,
-                    mutated_inputs=mutated_inputs(stage.module.graph, lambda t, m=stage.module: m.get_submodule(t)),
-                )
-            )
-        return runtime
-
-    def _actions(self, m: int) -> list:
-        if m not in self._schedules:
-            self._schedules[m] = make_schedule(self.plan.schedule, len(self.stages), m, self.plan.chunks)
-        return self._schedules[m]
-
-    def _split(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int]]:
-        flat = self.part.bind_inputs(args, kwargs)
-        pieces, sizes = microbatch.split((flat, target), self.plan.microbatches)
-        return [p[0] for p in pieces], [p[1] for p in pieces], sizes
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
-
-        Stages keep autograd history, so ``pipe(x).sum().backward()`` works too (not
-        pipelined; use ``step`` for a scheduled backward).
-        """
-        inputs, _, _ = self._split(args, kwargs, None)
+    def _execute(self, batch: Batch, ctx: StepContext) -> None:
         self._placement.sync_replicas()
-        actions = forward_only(self._actions(len(inputs)))
-        result = self._executor.run(actions, inputs, train=False, record=True)
-        self._last_events = result.events
-        return self.part.build_output(microbatch.merge(result.outputs))
+        actions = self._actions(len(batch.inputs), ctx.train)
+        self._last_events = self._executor.run(actions, batch.inputs, ctx, record=True)
+        if ctx.train:
+            self._placement.reduce_replica_grads()
 
-    forward = __call__
+    def _output(self, batch: Batch, ctx: StepContext) -> Any:
+        return self.part.build_output(microbatch.merge([ctx.outputs[i] for i in range(len(batch.inputs))]))
 
-    def step(self, *args: Any, target: Any = None, loss_fn: Any = None, **kwargs: Any) -> torch.Tensor:
-        """One training step's forward and backward on the schedule; returns the loss.
+    def _step_loss(self, ctx: StepContext) -> torch.Tensor:
+        last_device = self._executor.runners[-1].device
+        return torch.stack([ctx.losses[i].to(last_device) for i in sorted(ctx.losses)]).sum()
 
-        Every parameter's ``.grad`` accumulates exactly what eager
-        ``loss_fn(model(*args), target).backward()`` gives (micro-batch losses are weighted
-        by their share of the batch, so uneven micro-batches still sum to the full-batch
-        loss). Without a loss function the model's output must be a scalar loss.
-        Raises MicrobatchError for more micro-batches than samples, PipelineError naming
-        the stage when a stage fails.
-        """
-        loss_fn = loss_fn or self.loss_fn
-        inputs, targets, sizes = self._split(args, kwargs, target)
-        loss_of = microbatch.weighted_loss(loss_fn, self.part.build_output, targets, microbatch.loss_weights(sizes, loss_fn))
+    def _after_load(self) -> None:
         self._placement.sync_replicas()
-        result = self._executor.run(self._actions(len(inputs)), inputs, train=True, loss_of=loss_of, record=True)
-        self._placement.reduce_replica_grads()
-        self._last_events = result.events
-        last_device = self._executor.stages[-1].device
-        return torch.stack([loss.to(last_device) for loss in result.losses]).sum()
-
-    # ------------------------------------------------------------ module-like API
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters under the model's names; a tied weight once, under its first name."""
-        yield from self._placement.params.items()
-
-    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
-        """The model's state_dict keys (tied weights under every name), values detached."""
-        return OrderedDict((k, v.detach()) for k, v in self._placement.state.items())
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a state dict saved from the model or from a pipeline of it."""
-        missing = [k for k in self._placement.state if k not in state]
-        unexpected = [k for k in state if k not in self._placement.state]
-        if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-        with torch.no_grad():
-            for key, tensor in self._placement.state.items():
-                if key in state:
-                    tensor.copy_(state[key].to(tensor.device))
-        self._placement.sync_replicas()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for module in self._placement.modules:
-            module.zero_grad(set_to_none=set_to_none)
-
-    def train(self, mode: bool = True) -> Pipeline:
-        """Set train/eval mode on every stage, as ``model.train(mode)`` does eagerly."""
-        self.training = mode
-        for module in self._placement.modules:
-            module.train(mode)
-        return self
 
     @property
     def num_workers(self) -> int:

@@ -17,6 +17,10 @@ class Stage:
     module: the stage's ``fx.GraphModule`` (its ``.code`` reads like its forward);
     inputs: the recv edges feeding it (stage 0 also takes the model's inputs, named in
     ``model_inputs``); outputs: the send edges leaving it; reason: why its nodes are there.
+
+    Compile-time facts the runtimes read instead of recomputing: ``recv_ids`` /
+    ``send_ids`` (each edge's index in the partitioned graph's edge list, in argument /
+    output order) and ``mutated_inputs`` (argument positions its forward writes in place).
     """
 
     index: int
@@ -27,6 +31,9 @@ class Stage:
     reason: str = ""
     model_inputs: list[str] = field(default_factory=list)
     module_paths: list[str] = field(default_factory=list)
+    recv_ids: list[int] = field(default_factory=list)
+    send_ids: list[int] = field(default_factory=list)
+    mutated_inputs: frozenset[int] = frozenset()
 
     @property
     def num_nodes(self) -> int:

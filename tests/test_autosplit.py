@@ -141,7 +141,7 @@ def test_embedding_goes_to_the_cpu_and_compute_to_the_gpu() -> None:
 
 def test_infeasible_memory_names_the_stage_and_the_bytes() -> None:
     plan = fxpipe.Plan(devices=["gpu:0", "cpu"], split="auto", device_specs={"cpu": CPU, "cuda:0": GPU})
-    with pytest.raises(fxpipe.PlanError, match=r"(?s)no split.*memory.*stage 0 on cuda:0 .*MB.*has 19\.1 MB.*too small"):
+    with pytest.raises(fxpipe.PlanError, match=r"(?s)no split.*memory.*stage 0 on cuda:0 .*MiB.*has 19\.1 MiB.*too small"):
         fxpipe.partition(EmbedThenCompute(), plan, example_inputs=(IDS,))
 
 

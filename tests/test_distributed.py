@@ -127,6 +127,20 @@ def two_rank_cases() -> dict:
     y = pipe(xb)
     out["forward"] = None if y is None else float((y - net(xb)).abs().max())
     out["signatures"] = len(pipe._specs)
+
+    # one runtime for both executors: a step under no_grad still computes every gradient,
+    # and a float64 model's loss crosses ranks in float64
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4)
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    ref, eager_loss = eager_reference(net, (x,), t, 4)
+    pipe = fxpipe.compile(net, plan, example_inputs=(x,), loss_fn=CE)
+    with torch.no_grad():
+        out["no_grad step"] = compare(pipe, ref, eager_loss, pipe.step(x, target=t))
+    net64, x64 = mlp().double(), x.double()
+    ref, eager_loss = eager_reference(net64, (x64,), t, 4)
+    pipe = fxpipe.compile(net64, plan, example_inputs=(x64,), loss_fn=CE)
+    loss = pipe.step(x64, target=t)
+    out["float64"] = {**compare(pipe, ref, eager_loss, loss), "dtype": str(loss.dtype)}
     return out
 
 
@@ -232,6 +246,8 @@ def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ra
     assert first["forward"] is None and second["forward"] < 1e-5  # outputs live on the last stage
     assert first["signatures"] == 4  # micro-batches of 2, 3, 2 and 1 samples: one fake run each
     assert "emb.weight" in first["tied across ranks"]["params"] and "emb.weight" in second["tied across ranks"]["params"]
+    for r in ranks:
+        assert r["float64"]["dtype"] == "torch.float64" and r["float64"]["loss_err"] < 1e-12, r["float64"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)

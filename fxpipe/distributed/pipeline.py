@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,19 +25,19 @@ from fxpipe.distributed.faults import RankFailedError, Watchdog, check_same_plan
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
-from fxpipe.distributed.runtime import RankExecutor, RankStage
+from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature, skeleton
 from fxpipe.partitioned import Partitioned
 from fxpipe.placement import alias_groups, held_tensors, model_names
 from fxpipe.plan import PlanError
-from fxpipe.schedules import forward_only, make_schedule
-from fxpipe.streams import move
-from fxpipe.views import PipelineViews
+from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
+from fxpipe.runtime.streams import move
 
 _instances = itertools.count()
 
 
-class DistributedPipeline(PipelineViews):
+class DistributedPipeline(PipelineBase):
     """This rank's share of a pipeline. See ``fxpipe.compile`` and docs/distributed.md.
 
     Attributes: rank, world_size, layout (worker/replica of this rank), device,
@@ -53,95 +51,66 @@ class DistributedPipeline(PipelineViews):
         model: nn.Module,
         loss_fn: Any = None,
         weights: Weights = None,
-        mutated_inputs: Sequence[frozenset[int]] | None = None,
     ) -> None:
-        self.part = part
-        self.plan = plan = part.plan
-        self.loss_fn = loss_fn
-        self.frontend = part.frontend
+        plan = part.plan
         num_stages = part.num_stages
         layout = make_layout(plan, num_stages)
         self.device = rank_device(part.stages[layout.my_stages[0]].device)
         init_process_group(self.device, plan.timeout)
         self.layout = layout = make_layout(plan, num_stages)
         self.rank, self.world_size = layout.rank, layout.world
+        self.replicas, self.replica = layout.replicas, layout.replica
         self.local_stages = layout.my_stages
         self.is_last = num_stages - 1 in self.local_stages
 
         store = dist.distributed_c10d._get_default_store()
         prefix = f"fxpipe/{next(_instances)}/"
-        check_same_plan(store, prefix, layout.rank, layout.world, self._fingerprint_parts(), self._plan_summary(), plan.timeout)
+        check_same_plan(store, prefix, layout.rank, layout.world, _fingerprint_parts(part, layout), _plan_summary(part, layout), plan.timeout)
         self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout)
-        mesh = make_mesh(layout, self.device)
-        self.mesh = mesh
+        self.mesh = make_mesh(layout, self.device)
 
-        edges = part.partitioned.edges
-        edge_ids = {id(e): k for k, e in enumerate(edges)}
-        self._edge_ends = [(e.src, e.dst) for e in edges]
-        self._recv = [[edge_ids[id(e)] for e in s.inputs] for s in part.stages]
-        self._send = [[edge_ids[id(e)] for e in s.outputs] for s in part.stages]
+        self._edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
+        self._recv = [s.recv_ids for s in part.stages]
+        self._send = [s.send_ids for s in part.stages]
         self._skeletons = [skeleton(s.module) for s in part.stages]
 
         aliases = alias_groups(model)
         modules = materialize({s: part.stages[s].module for s in self.local_stages}, self.device, weights, aliases)
-        mutated = list(mutated_inputs) if mutated_inputs is not None else [frozenset()] * num_stages
-        self._rank_stages = {
-            s: RankStage(s, modules[s], self._recv[s], self._send[s], len(part.stages[s].model_inputs), s == num_stages - 1, mutated[s])
-            for s in self.local_stages
-        }
+        runners = {s: make_runner(part.stages[s], modules[s], self.device, num_stages, plan.checkpoint) for s in self.local_stages}
         self.stages = [
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._params, self._state = self._names(model, aliases)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model.training)
+        self._modules = [modules[s] for s in self.local_stages]
+        held = held_tensors(self._modules, aliases)
+        self._params, self._state = model_names(model, held, aliases)
+        self._partial_state = True
         self.executor = RankExecutor(
-            self._rank_stages, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog, fused=self.device.type == "cuda", checkpoint=plan.checkpoint, worker=layout.worker,
+            runners, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog,
+            fused=self.device.type == "cuda", worker=layout.worker,
         )
-        self._tied = TiedGrads(self._tied_groups(model, aliases), layout.rank, self.watchdog)
+        self._tied = TiedGrads(self._tied_groups(aliases), layout.rank, self.watchdog)
         self._averager = None
         self._dp_group = None
-        self._float_buffers = [b for st in self.local_stages for b in modules[st].buffers() if b.is_floating_point()]
+        self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
         if layout.replicas > 1:
-            dp_group = self._dp_group = mesh.get_group("dp")
+            dp_group = self._dp_group = self.mesh.get_group("dp")
             self._broadcast_from_first_replica(dp_group)
             self._averager = GradAverager(
                 {s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas,
                 layout.rank, self.watchdog,
             )
         self._barrier()
-        self._schedules: dict[tuple[int, bool], list] = {}
         self._specs: dict[tuple, dict[int, ValueSpec]] = {}
         self._messages: dict[tuple, comm.ActionMessages] = {}
-        self._last_events: list = []
-        self.training = model.training
 
     # -------------------------------------------------------------- set-up
-    def _fingerprint_parts(self) -> dict[str, str]:
-        plan = self.plan
-        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-        parts = {"plan": repr(sorted(fields.items(), key=lambda kv: kv[0])), "layout": f"world {self.layout.world} workers {self.layout.workers} replicas {self.layout.replicas}"}
-        for s in self.part.stages:
-            tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(s.module.named_parameters()) + list(s.module.named_buffers())]
-            edges = [(e.name, e.src, e.dst, e.description) for e in s.inputs + s.outputs]
-            parts[f"stage {s.index}"] = f"{s.module.code}\n{tensors}\n{edges}"
-        return parts
-
-    def _plan_summary(self) -> str:
-        p = self.plan
-        return (
-            f"{self.part.num_stages} stages, split={p.split!r}, schedule={p.schedule!r}, microbatches={p.microbatches}, "
-            f"chunks={p.chunks}, data_parallel={p.data_parallel}, world={self.layout.world}"
-        )
-
-    def _names(self, model: nn.Module, aliases: dict[str, list[str]]) -> tuple[dict, dict]:
-        held = held_tensors([self._rank_stages[s].module for s in self.local_stages], aliases)
-        return model_names(model, held, aliases)
-
     @staticmethod
     def _trainable(module: nn.Module) -> list[nn.Parameter]:
         return [p for p in module.parameters() if p.requires_grad]
 
-    def _tied_groups(self, model: nn.Module, aliases: dict[str, list[str]]) -> list:
+    def _tied_groups(self, aliases: dict[str, list[str]]) -> list:
         """Process groups for weights used by stages on different workers (created on every rank)."""
         holders: dict[str, set[int]] = {}
         for st in self.part.stages:
@@ -163,8 +132,7 @@ class DistributedPipeline(PipelineViews):
     def _broadcast_from_first_replica(self, group: dist.ProcessGroup) -> None:
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
-            for s in self.local_stages:
-                module = self._rank_stages[s].module
+            for module in self._modules:
                 for t in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(t.data, src=src, group=group)
 
@@ -175,41 +143,35 @@ class DistributedPipeline(PipelineViews):
         self.watchdog.wait([(work, 0)], lambda: "the other ranks to finish setting up")
 
     # ------------------------------------------------------------- running
-    def _actions(self, m: int, train: bool) -> list:
-        """Every worker's action list for ``m`` micro-batches (forwards only for inference)."""
-        if (m, train) not in self._schedules:
-            actions = make_schedule(self.plan.schedule, self.part.num_stages, m, self.plan.chunks)
-            self._schedules[(m, train)] = actions if train else forward_only(actions)
-        return self._schedules[(m, train)]
-
-    def _split(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, list[int], int]:
-        """This replica's micro-batches: (inputs, targets, sizes, global batch size)."""
-        values = (self.part.bind_inputs(args, kwargs), target)
-        total = microbatch.batch_size(values) or 1
-        if self.layout.replicas > 1:
-            shards, _ = microbatch.split(values, self.layout.replicas)
-            values = shards[self.layout.replica]
-        pieces, sizes = microbatch.split(values, self.plan.microbatches)
-        return [p[0] for p in pieces], [p[1] for p in pieces], sizes, total
-
-    def _edge_specs(self, inputs: list[list], train: bool) -> tuple[list[dict[int, ValueSpec]], tuple]:
+    def _edge_specs(self, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
+        """Each micro-batch's edge specs, derived once per input signature (shapes and
+        dtypes of the inputs, train or not, the stages' modes and the caller's autocast)."""
         modes = tuple(m.training for m in self._skeletons)
         keys = []
         for flat in inputs:
-            key = (signature(flat), train, modes)
+            key = (signature(flat), ctx.train, modes, ctx.autocast)
             if key not in self._specs:
-                self._specs[key] = derive_edge_specs(self._skeletons, self._recv, self._send, flat, train)
+                self._specs[key] = derive_edge_specs(self._skeletons, self._recv, self._send, flat, ctx.train, ctx.autocast)
             keys.append(key)
         return [self._specs[k] for k in keys], tuple(keys)
 
-    def _run(self, inputs: list[list], train: bool, loss_of: Any = None) -> Any:
-        specs, key = self._edge_specs(inputs, train)
-        actions = self._actions(len(inputs), train)
+    def _execute(self, batch: Batch, ctx: StepContext) -> None:
+        specs, key = self._edge_specs(batch.inputs, ctx)
+        actions = self._actions(len(batch.inputs), ctx.train)
         spec = lambda e, i: specs[i][e]  # noqa: E731
         if key not in self._messages:  # key holds ``train`` already
             self._messages[key] = self._plan_messages(actions, spec)
-        on_done = self._averager.start if (train and self._averager is not None) else None
-        return self.executor.run(actions[self.layout.worker], self._messages[key], inputs, spec, train, loss_of, on_done)
+        on_done = self._averager.start if (ctx.train and self._averager is not None) else None
+        if ctx.train:
+            self._tied.before_step()
+        self._last_events = self.executor.run(actions[self.layout.worker], self._messages[key], batch.inputs, spec, ctx, on_done)
+        if not ctx.train:
+            return
+        if self._averager is not None:
+            self._averager.finish()
+            with torch.no_grad():
+                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.layout.rank, self.watchdog)
+        self._tied.after_step()
 
     def _plan_messages(self, actions: list, spec: Any) -> comm.ActionMessages:
         """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
@@ -226,78 +188,34 @@ class DistributedPipeline(PipelineViews):
         except comm.CommPlanError as err:
             raise PlanError(f"plan.schedule={self.plan.schedule!r} cannot run on NCCL: {err}") from err
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward over micro-batches. Returns the model's output on the ranks holding the
-        last stage (this replica's shard of the batch under data parallelism), None elsewhere."""
-        inputs, _, _, _ = self._split(args, kwargs, None)
-        result = self._run(inputs, train=False)
-        self._last_events = result.events
+    def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
         if not self.is_last:
             return None
-        return self.part.build_output(microbatch.merge([result.outputs[i] for i in range(len(inputs))]))
+        targets = [move(t, self.device, detach=True) for t in batch.targets]  # the target goes where the last stage's output is
+        return microbatch.weighted_loss(loss_fn, self.part.build_output, targets, weights)
 
-    forward = __call__
+    def _output(self, batch: Batch, ctx: StepContext) -> Any:
+        """The model's output on the ranks holding the last stage (this replica's shard of
+        the batch under data parallelism), None elsewhere."""
+        if not self.is_last:
+            return None
+        return self.part.build_output(microbatch.merge([ctx.outputs[i] for i in range(len(batch.inputs))]))
 
-    def step(self, *args: Any, target: Any = None, loss_fn: Any = None, **kwargs: Any) -> torch.Tensor:
-        """One training step on the schedule; returns the full-batch loss on every rank.
-
-        Every rank passes the same whole batch (and target); with ``data_parallel`` each
-        replica takes its own shard. Each local parameter's ``.grad`` accumulates what
-        eager ``loss_fn(model(x), t).backward()`` gives it (averaged over replicas, once
-        per step). Raises RankFailedError naming the rank and stage that failed.
-        """
-        loss_fn = loss_fn or self.loss_fn
-        inputs, targets, sizes, total = self._split(args, kwargs, target)
-        weights = microbatch.loss_weights(sizes, loss_fn, total=total, scale=self.layout.replicas)
-        loss_of = None
-        if self.is_last:  # the target goes where the last stage's output is
-            targets = [move(tg, self.device, detach=True) for tg in targets]
-            loss_of = microbatch.weighted_loss(loss_fn, self.part.build_output, targets, weights)
-        self._tied.before_step()
-        result = self._run(inputs, train=True, loss_of=loss_of)
-        if self._averager is not None:
-            self._averager.finish()
-            with torch.no_grad():
-                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.layout.rank, self.watchdog)
-        self._tied.after_step()
-        self._last_events = result.events
-        loss = torch.zeros((), device=self.device)
+    def _step_loss(self, ctx: StepContext) -> torch.Tensor:
+        """The full-batch loss on every rank, in the loss's own dtype: the ranks holding the
+        last stage contribute (loss, dtype code) in float64, exact for every float dtype."""
+        packet = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.is_last:
-            loss = torch.stack([result.losses[i] for i in sorted(result.losses)]).sum().to(self.device) / self.layout.replicas
-        work = dist.all_reduce(loss, async_op=True)
+            loss = torch.stack([ctx.losses[i] for i in sorted(ctx.losses)]).sum() / self.layout.replicas
+            packet[0] = loss.detach().to(torch.float64)
+            packet[1] = _LOSS_DTYPES.index(loss.dtype) + 1
+        work = dist.all_reduce(packet, async_op=True)
         self.watchdog.wait([(work, self.layout.rank_of_stage(self.part.num_stages - 1))], lambda: "the loss")
-        return loss
-
-    # ------------------------------------------------------ module-like API
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the model's names; a tied weight once, first name."""
-        yield from self._params.items()
-
-    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
-        """The model's state_dict keys held by this rank (tied weights under every name)."""
-        return OrderedDict((k, v.detach()) for k, v in self._state.items())
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load this rank's keys from a full or partial state dict (others' keys are ignored).
-
-        Raises KeyError, with ``strict``, when a key this rank holds is missing.
-        """
-        missing = [k for k in self._state if k not in state]
-        if strict and missing:
-            raise KeyError(f"load_state_dict: rank {self.rank} holds keys the state dict lacks: {missing[:5]}")
-        with torch.no_grad():
-            for key, tensor in self._state.items():
-                if key in state:
-                    tensor.copy_(state[key].to(tensor.device))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for s in self.local_stages:
-            self._rank_stages[s].module.zero_grad(set_to_none=set_to_none)
+        dtype = _LOSS_DTYPES[round(float(packet[1]) / self.layout.replicas) - 1]
+        return packet[0].to(dtype)
 
     def train(self, mode: bool = True) -> DistributedPipeline:
-        self.training = mode
-        for s in self.local_stages:
-            self._rank_stages[s].module.train(mode)
+        super().train(mode)
         for sk in self._skeletons:
             sk.train(mode)
         return self
@@ -311,6 +229,29 @@ class DistributedPipeline(PipelineViews):
             f"DistributedPipeline(rank {self.rank}/{self.world_size}, stages {self.local_stages} on {self.device}, "
             f"schedule={self.plan.schedule!r}, replicas={self.layout.replicas})"
         )
+
+
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _fingerprint_parts(part: Partitioned, layout: Any) -> dict[str, str]:
+    """What every rank must agree on, by part: the plan, the world layout, each stage."""
+    plan = part.plan
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    parts = {"plan": repr(sorted(fields.items(), key=lambda kv: kv[0])), "layout": f"world {layout.world} workers {layout.workers} replicas {layout.replicas}"}
+    for s in part.stages:
+        tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(s.module.named_parameters()) + list(s.module.named_buffers())]
+        edges = [(e.name, e.src, e.dst, e.description) for e in s.inputs + s.outputs]
+        parts[f"stage {s.index}"] = f"{s.module.code}\n{tensors}\n{edges}"
+    return parts
+
+
+def _plan_summary(part: Partitioned, layout: Any) -> str:
+    p = part.plan
+    return (
+        f"{part.num_stages} stages, split={p.split!r}, schedule={p.schedule!r}, microbatches={p.microbatches}, "
+        f"chunks={p.chunks}, data_parallel={p.data_parallel}, world={layout.world}"
+    )
 
 
 __all__ = ["DistributedPipeline", "RankFailedError"]

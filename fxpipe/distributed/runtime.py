@@ -1,18 +1,18 @@
 """The per-rank executor: one rank walks its own action list of the shared schedule.
 
-``F(s, i)`` takes micro-batch i's inputs (the model's, for stage 0; received buffers or
-same-rank values for the rest), runs the stage and sends its outputs; ``B(s, i)`` takes
-the gradients of those outputs, runs autograd through the stage alone (inputs are
-detached leaves) and sends the gradients of its inputs back. Messages are planned by
-:mod:`fxpipe.distributed.comm` from the edges' specs, so nothing about shapes is asked
-at run time. Every wait goes through the :class:`~fxpipe.distributed.faults.Watchdog`.
+It wraps the same :class:`~fxpipe.runtime.stage.StageRunner` as the local executor and
+adds only communication: ``F(s, i)`` gets micro-batch i's values (the model's inputs for
+stage 0; received buffers or same-rank values for the rest), runs the stage and sends its
+outputs; ``B(s, i)`` gets the gradients of those outputs, runs the stage's backward and
+sends the gradients of its inputs back. Messages are planned by
+:mod:`fxpipe.distributed.comm` from the edges' specs, so nothing about shapes is asked at
+run time. Every wait goes through the :class:`~fxpipe.distributed.faults.Watchdog`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,37 +21,16 @@ import torch.utils._pytree as pytree
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
+from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.stage import Grads, StageRunner
 from fxpipe.schedules import Action
-from fxpipe.streams import carries_grad, move, restored_rng, rng_state, wants_grad
 from fxpipe.timeline import Event
-
-
-@dataclass
-class RankStage:
-    """A stage this rank runs: its module on the rank's device and its edges (edge ids:
-    ``recv`` in argument order after the model's inputs, ``send`` in output order).
-    ``mutated_inputs``: argument positions the stage writes into in place."""
-
-    index: int
-    module: torch.nn.Module
-    recv: list[int]
-    send: list[int]
-    num_model_inputs: int
-    is_last: bool
-    mutated_inputs: frozenset[int] = frozenset()
-
-
-@dataclass
-class RankResult:
-    outputs: dict[int, Any] = field(default_factory=dict)  # micro-batch -> last stage's output
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
 
 
 class RankExecutor:
     """Runs this rank's action list for one step.
 
-    stages: this rank's stages by index; device: where they run; rank_of_stage: which
+    runners: this rank's stages by index; device: where they run; rank_of_stage: which
     rank holds any stage (this replica); edge_ends: (src, dst) stage per edge id;
     fused: post ops NCCL's way (see comm); watchdog: waits with a deadline;
     worker: this rank's pipeline position (for the recorded timeline).
@@ -59,25 +38,23 @@ class RankExecutor:
 
     def __init__(
         self,
-        stages: dict[int, RankStage],
+        runners: dict[int, StageRunner],
         device: torch.device,
         rank: int,
         rank_of_stage: Callable[[int], int],
         edge_ends: Sequence[tuple[int, int]],
         watchdog: Watchdog,
         fused: bool,
-        checkpoint: bool = False,
         worker: int = 0,
     ) -> None:
-        self.worker = worker
-        self.stages = stages
+        self.runners = runners
         self.device = device
         self.rank = rank
         self.rank_of_stage = rank_of_stage
         self.edge_ends = list(edge_ends)
         self.watchdog = watchdog
         self.fused = fused
-        self.checkpoint = checkpoint
+        self.worker = worker
 
     def run(
         self,
@@ -85,33 +62,30 @@ class RankExecutor:
         plan: comm.ActionMessages,
         inputs: Sequence[list],
         spec: Callable[[int, int], ValueSpec],
-        train: bool,
-        loss_of: Callable[[int, Any], torch.Tensor] | None = None,
+        ctx: StepContext,
         on_stage_done: Callable[[int], None] | None = None,
-    ) -> RankResult:
-        """Run one step of this rank's ``actions``.
+    ) -> list[Event]:
+        """Run one step of this rank's ``actions``; return the recorded events.
 
         plan: this rank's messages for ``actions`` (see comm); inputs: per micro-batch, the
         model's flat inputs (used by stage 0); spec(edge, i): the edge's ValueSpec for
-        micro-batch i; loss_of(i, out): micro-batch i's weighted loss on the last stage;
-        on_stage_done(s): called after a stage's last backward (data-parallel reduction
-        starts there). Raises RankFailedError naming the failing rank and stage.
+        micro-batch i; on_stage_done(s): called after a stage's last backward (data-parallel
+        reduction starts there). The last stage's outputs and losses land in ``ctx``.
+        Raises RankFailedError naming the failing rank and stage.
         """
         num_edges = len(self.edge_ends)
-        result = RankResult()
-        local: dict[tuple, Any] = {}  # values between stages of this rank
+        events: list[Event] = []
+        local: dict[tuple, Any] = {}  # values and gradients between stages of this rank
         received: dict[tuple, list[torch.Tensor]] = {}
         pending_recvs: dict[int, list[tuple[Any, int]]] = {}
         pending_sends: list[tuple[Any, int]] = []
-        saved: dict[tuple[int, int], tuple] = {}
         last_backward = {a.stage: k for k, a in enumerate(actions) if a.op == "B"}
-        grad_enabled = torch.is_grad_enabled()
         cuda = self.device.type == "cuda"
         origin = time.perf_counter()
 
         def buffers(msg: comm.Message) -> list[torch.Tensor]:
-            value_spec = spec(msg.edge, msg.microbatch)
-            return [torch.empty(value_spec.leaves[k].shape, dtype=value_spec.leaves[k].dtype, device=self.device) for k in msg.leaves]
+            leaves = spec(msg.edge, msg.microbatch).leaves
+            return [torch.empty(leaves[k].shape, dtype=leaves[k].dtype, device=self.device) for k in msg.leaves]
 
         def post(k: int, sends: list) -> None:
             """Post the receives of action k (if any) together with ``sends``."""
@@ -123,77 +97,48 @@ class RankExecutor:
             pending_sends.extend(send_works)
             pending_recvs.setdefault(k, []).extend(recv_works)
 
-        def value_in(kind: str, edge: int, i: int) -> Any:
-            """An activation (built from its spec) or a gradient list, from this rank or received."""
-            if (kind, edge, i) in local:
-                return local.pop((kind, edge, i))
-            tensors = received.pop((kind, edge, i), [])
-            return spec(edge, i).build(tensors) if kind == comm.ACT else tensors
+        def activation(edge: int, i: int) -> Any:
+            if (comm.ACT, edge, i) in local:
+                return local.pop((comm.ACT, edge, i))
+            return spec(edge, i).build(received.pop((comm.ACT, edge, i), []))
+
+        def gradients(edge: int, i: int) -> Grads:
+            """The gradients of an edge value's leaves (None where none flows)."""
+            if (comm.GRAD, edge, i) in local:
+                return local.pop((comm.GRAD, edge, i))
+            value_spec = spec(edge, i)
+            full: Grads = [None] * len(value_spec.leaves)
+            for pos, g in zip(value_spec.grads, received.pop((comm.GRAD, edge, i), [])):
+                full[pos] = g
+            return full
 
         def forward(k: int, action: Action) -> list:
-            stage, i = self.stages[action.stage], action.microbatch
-            args = [move(v, self.device, detach=True) for v in inputs[i]] if stage.index == 0 else []
-            for edge in stage.recv:
-                args.append(move(value_in(comm.ACT, edge, i), self.device, detach=True))
-            rng = rng_state(self.device) if train and self.checkpoint else None
-            with torch.set_grad_enabled(grad_enabled and not (train and self.checkpoint)):
-                out = _call(stage, args)
-            if stage.is_last:
-                result.outputs[i] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out) if train else out
-                if train and loss_of is not None and not self.checkpoint:
-                    result.losses[i] = loss_of(i, out)
-            if train:
-                saved[(stage.index, i)] = (args, None if (stage.is_last and not self.checkpoint) else out, rng)
+            runner, i = self.runners[action.stage], action.microbatch
+            values = [activation(edge, i) for edge in runner.recv]
+            outs = runner.forward(i, inputs[i] if runner.index == 0 else (), values, ctx)
+            remote = {msg.edge: msg for msg in plan.sends[k]}
             sends = []
-            checkpointed = train and self.checkpoint and not stage.is_last and wants_grad(stage.module, args)
-            for j, edge in enumerate(stage.send):
+            for edge, value in zip(runner.send, outs):
+                if edge in remote:
+                    msg = remote[edge]
+                    tensors = _tensor_leaves(value)
+                    _check_shapes(tensors, spec(edge, i), msg, self.rank, runner.index)
+                    sends.append((msg, [t.detach().contiguous() for t in tensors]))
                 if self.rank_of_stage(self.edge_ends[edge][1]) == self.rank:
-                    # recomputed in backward: consumers on this rank must still ask for a gradient
-                    local[(comm.ACT, edge, i)] = carries_grad(out[j]) if checkpointed else out[j]
-            for msg in plan.sends[k]:
-                tensors = _tensor_leaves(out[stage.send.index(msg.edge)])
-                _check_shapes(tensors, spec(msg.edge, i), msg, self.rank, stage.index)
-                sends.append((msg, [t.detach().contiguous() for t in tensors]))
+                    local[(comm.ACT, edge, i)] = value
             return sends
 
         def backward(k: int, action: Action) -> list:
-            stage, i = self.stages[action.stage], action.microbatch
-            args, out, rng = saved.pop((stage.index, i))
-            if self.checkpoint:
-                with restored_rng(self.device, rng), torch.enable_grad():  # the forward's random numbers
-                    out = _call(stage, args)
-                    if stage.is_last and loss_of is not None:
-                        result.losses[i] = loss_of(i, out)
-            tensors, grads = [], []
-            if stage.is_last:
-                loss = result.losses.get(i)
-                if loss is not None and loss.requires_grad:
-                    tensors.append(loss)
-                    grads.append(None)
-            else:
-                for j, edge in enumerate(stage.send):
-                    grad_leaves = value_in(comm.GRAD, edge, i)
-                    outs = pytree.tree_leaves(out[j])
-                    for pos, g in zip(spec(edge, i).grads, grad_leaves):
-                        t = outs[pos]
-                        if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
-                            tensors.append(t)
-                            grads.append(g)
-            if tensors:
-                torch.autograd.backward(tensors, grads if any(g is not None for g in grads) else None)
-            if stage.is_last and i in result.losses:
-                result.losses[i] = result.losses[i].detach()
-            sends = []
-            received_args = args[stage.num_model_inputs :] if stage.index == 0 else args
+            runner, i = self.runners[action.stage], action.microbatch
+            input_grads = runner.backward(i, [gradients(edge, i) for edge in runner.send], ctx)
             remote = {msg.edge: msg for msg in plan.sends[k]}
-            for edge, value in zip(stage.recv, received_args):
-                value_spec = spec(edge, i)
-                leaves = pytree.tree_leaves(value)
-                grads_out = [_grad_or_zeros(leaves[pos], value_spec.leaves[pos]) for pos in value_spec.grads]
+            sends = []
+            for edge, grads in zip(runner.recv, input_grads):
                 if edge in remote:
-                    sends.append((remote[edge], grads_out))
+                    value_spec = spec(edge, i)
+                    sends.append((remote[edge], [_grad_or_zeros(grads[pos], value_spec.leaves[pos], self.device) for pos in value_spec.grads]))
                 else:
-                    local[(comm.GRAD, edge, i)] = grads_out
+                    local[(comm.GRAD, edge, i)] = grads
             return sends
 
         if not self.fused and actions:
@@ -218,7 +163,7 @@ class RankExecutor:
                 post(len(actions), sends)
             if cuda:  # the action's kernels (and the NCCL receives they wait on) finish under the watchdog
                 self.watchdog.wait([(_EventWork(self.device), self.rank)], lambda a=action: f"{a}'s kernels and the messages they wait on")
-            result.events.append(
+            events.append(
                 Event(self.worker, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, str(self.device))
             )
             if on_stage_done is not None and last_backward.get(action.stage) == k:
@@ -226,7 +171,7 @@ class RankExecutor:
         if previous_sends:
             post(len(actions), previous_sends)
         self.watchdog.wait(pending_sends, lambda: "the step's last messages to be received")
-        return result
+        return events
 
     def _failed(self, action: Action, err: BaseException) -> RankFailedError:
         return self.watchdog.report(
@@ -251,11 +196,6 @@ class _EventWork:
         self.event.synchronize()
 
 
-def _call(stage: RankStage, args: list) -> Any:
-    # an argument the stage writes into gets a copy: a leaf that requires grad cannot be mutated
-    return stage.module(*[a.clone() if k in stage.mutated_inputs and isinstance(a, torch.Tensor) else a for k, a in enumerate(args)])
-
-
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
@@ -272,7 +212,7 @@ def _check_shapes(tensors: list[torch.Tensor], value_spec: ValueSpec, msg: comm.
         )
 
 
-def _grad_or_zeros(leaf: Any, leaf_spec: Any) -> torch.Tensor:
-    if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
-        return leaf.grad
-    return torch.zeros(leaf_spec.shape, dtype=leaf_spec.dtype, device=leaf.device if isinstance(leaf, torch.Tensor) else "cpu")
+def _grad_or_zeros(grad: torch.Tensor | None, leaf_spec: Any, device: torch.device) -> torch.Tensor:
+    if grad is not None:
+        return grad
+    return torch.zeros(leaf_spec.shape, dtype=leaf_spec.dtype, device=device)

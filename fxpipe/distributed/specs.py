@@ -13,6 +13,7 @@ last batch of an epoch costs one fake run, never a runtime shape exchange.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,17 +102,20 @@ def derive_edge_specs(
     send_edges: Sequence[Sequence[int]],
     inputs: list,
     train: bool,
+    autocast: Any = None,
 ) -> dict[int, ValueSpec]:
     """Run every stage on fake tensors for one micro-batch; return each edge's ValueSpec.
 
     skeletons: per stage, a meta copy (see :func:`skeleton`); recv_edges / send_edges:
     per stage, the edge ids of its inputs after the model's (in argument order) and of
-    its output tuple; inputs: the micro-batch's flat model inputs (real or fake).
+    its output tuple; inputs: the micro-batch's flat model inputs (real or fake);
+    autocast: the caller's ``AutocastState`` (edges carry what autocast makes of them).
     Raises SignatureError naming the stage when a stage cannot run on fake tensors.
     """
     values: dict[int, Any] = {}
     last_sender = max((s for s, sends in enumerate(send_edges) if sends), default=-1)
-    with FakeTensorMode(allow_non_fake_inputs=True) , torch.set_grad_enabled(train):
+    autocast_applied = autocast.applied() if autocast is not None else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.set_grad_enabled(train), autocast_applied:
         flat = pytree.tree_map_only(torch.Tensor, _fake_like, inputs)
         for s in range(last_sender + 1):
             args = list(flat) if s == 0 else []

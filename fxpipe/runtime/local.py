@@ -1,0 +1,257 @@
+"""The local executor: one thread per pipeline worker, interpreting the schedule's action lists.
+
+Each worker walks its own list in order around a :class:`StageRunner`: ``F(s, i)`` takes
+micro-batch i's values from the stages feeding s out of the mailbox, runs the stage and
+posts its outputs; ``B(s, i)`` takes the gradients of those outputs, backpropagates through
+the stage and posts the gradients of its inputs. Stages overlap for real: PyTorch releases
+the GIL inside ops, and on CUDA each worker has its own stream with an event on every
+hand-off. Worker threads live as long as the executor (starting threads per step costs).
+
+Faults end in bounded time: the calling thread watches the workers. A worker whose action
+raises stops the step at once (the others stop before their next action) with a
+:class:`PipelineError` naming the stage, action and micro-batch; an action that runs, or a
+wait that lasts, longer than the plan's ``timeout`` ends the step with a PipelineError
+naming the stage that is stuck (the end of the chain of waits), and that stage's thread is
+abandoned (Python cannot stop it) and replaced for the next step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.streams import WorkerStream
+from fxpipe.schedules import Action
+from fxpipe.timeline import Event
+
+_POLL = 0.5  # seconds between the calling thread's looks at stuck workers
+
+
+class PipelineError(RuntimeError):
+    """A stage failed or hung while running; ``stage``, ``action`` and ``microbatch`` name it."""
+
+    def __init__(self, message: str, stage: int | None = None, action: Action | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.action = action
+        self.microbatch = action.microbatch if action is not None else None
+
+
+class _Aborted(Exception):
+    """Another worker failed: stop quietly, the first failure is reported."""
+
+
+@dataclass
+class _State:
+    """What one worker is doing, for the watchdog: an action running or a value awaited."""
+
+    action: Action | None = None
+    waiting_for: tuple | None = None
+    since: float = 0.0
+    done: bool = False
+
+
+class _Mailbox:
+    """Values and gradients in flight, keyed by (kind, edge, micro-batch)."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple, tuple[Any, Any]] = {}
+        self.cond = threading.Condition()
+        self.failed: BaseException | None = None
+
+    def put(self, key: tuple, value: Any, event: Any) -> None:
+        with self.cond:
+            self.items[key] = (value, event)
+            self.cond.notify_all()
+
+    def take(self, key: tuple, state: _State) -> tuple[Any, Any]:
+        with self.cond:
+            if key not in self.items:
+                state.waiting_for, state.since = key, time.monotonic()
+                while key not in self.items:
+                    if self.failed is not None:
+                        raise _Aborted
+                    self.cond.wait()
+                state.waiting_for = None
+            return self.items.pop(key)
+
+    def fail(self, err: BaseException) -> None:
+        with self.cond:
+            if self.failed is None:
+                self.failed = err
+            self.cond.notify_all()
+
+
+class _Thread:
+    """A long-lived worker thread running the jobs it is handed, one at a time."""
+
+    def __init__(self, name: str) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+class LocalExecutor:
+    """Runs action lists over stage runners in one process.
+
+    edge_ends: (producer stage, consumer stage) per edge id; timeout: seconds any one
+    action or wait may last before the step fails.
+    """
+
+    def __init__(self, runners: Sequence[StageRunner], edge_ends: Sequence[tuple[int, int]], timeout: float) -> None:
+        self.runners = list(runners)
+        self.edge_ends = list(edge_ends)
+        self.timeout = timeout
+        self._threads: dict[int, _Thread] = {}
+
+    def run(self, actions: Sequence[Sequence[Action]], inputs: Sequence[list], ctx: StepContext, record: bool = False) -> list[Event]:
+        """Run one step: ``actions`` one list per worker, ``inputs`` the model's flat inputs
+        per micro-batch. The last stage's outputs and losses land in ``ctx``; returns the
+        recorded events (empty unless ``record``). Raises PipelineError naming the stage."""
+        box = _Mailbox()
+        states = [_State() for _ in actions]
+        events: list[Event] = []
+        origin = time.perf_counter()
+        finished = threading.Semaphore(0)
+
+        def forward(stream: WorkerStream, runner: StageRunner, i: int, state: _State) -> float:
+            received = [stream.receive(*box.take(("act", e, i), state)) for e in runner.recv]
+            began = time.perf_counter()
+            state.since = time.monotonic()
+            sends = runner.forward(i, inputs[i] if runner.index == 0 else (), received, ctx)
+            if sends:
+                event = stream.record()
+                for edge, value in zip(runner.send, sends):
+                    box.put(("act", edge, i), value, event)
+            return began
+
+        def backward(stream: WorkerStream, runner: StageRunner, i: int, state: _State) -> float:
+            grads = [stream.receive(*box.take(("grad", e, i), state)) for e in runner.send]
+            began = time.perf_counter()
+            state.since = time.monotonic()
+            input_grads = runner.backward(i, grads, ctx)
+            event = stream.record()
+            for edge, value in zip(runner.recv, input_grads):
+                box.put(("grad", edge, i), value, event)
+            return began
+
+        def work(w: int, plan: Sequence[Action]) -> None:
+            state = states[w]
+            stream = None
+            action = None
+            try:
+                for action in plan:
+                    if box.failed is not None:
+                        return
+                    runner = self.runners[action.stage]
+                    if stream is None:
+                        stream = WorkerStream(runner.device)
+                    state.action, state.since = action, time.monotonic()
+                    waited = time.perf_counter()
+                    with stream.active():
+                        run = forward if action.op == "F" else backward
+                        start = run(stream, runner, action.microbatch, state)
+                    if record:
+                        stream.synchronize()
+                        device = runner.name or str(runner.device)
+                        if start - waited > 1e-4:  # time spent waiting for a value or gradient
+                            events.append(Event(w, action.stage, action.microbatch, "recv", waited - origin, start - origin, device))
+                        events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, device))
+                if stream is not None:
+                    stream.synchronize()
+            except _Aborted:
+                pass
+            except BaseException as err:  # noqa: BLE001 - reported by the calling thread
+                failure = PipelineError(
+                    f"stage {action.stage} on {self.runners[action.stage].name or self.runners[action.stage].device} "
+                    f"failed in {action} (micro-batch {action.microbatch}): {type(err).__name__}: {err}",
+                    action.stage,
+                    action,
+                )
+                failure.__cause__ = err
+                box.fail(failure)
+            finally:
+                state.done = True
+                finished.release()
+
+        for w, plan in enumerate(actions):
+            self._thread(w).jobs.put(lambda w=w, plan=plan: work(w, plan))
+        workers = {a.stage: w for w, plan in enumerate(actions) for a in plan}
+        self._watch(box, states, finished, workers)
+        if box.failed is not None:
+            raise box.failed
+        return sorted(events, key=lambda e: (e.start, e.worker))
+
+    def _thread(self, w: int) -> _Thread:
+        if w not in self._threads:
+            self._threads[w] = _Thread(f"fxpipe-worker-{w}")
+        return self._threads[w]
+
+    def _watch(self, box: _Mailbox, states: list[_State], finished: threading.Semaphore, workers: dict[int, int]) -> None:
+        """Wait for every worker; on a stuck one, fail the step and stop waiting for it."""
+        remaining = len(states)
+        abandoned: set[int] = set()
+        while remaining > len(abandoned):
+            if finished.acquire(timeout=min(_POLL, self.timeout)):
+                remaining -= 1
+                continue
+            if box.failed is not None:
+                continue
+            stuck = self._stuck(states, workers)
+            if stuck is not None:
+                worker, error = stuck
+                box.fail(error)
+                if not states[worker].done:
+                    abandoned.add(worker)
+                    self._threads.pop(worker, None)  # a fresh thread serves the next step
+        # leave the abandoned threads to finish (or not) on their own
+
+    def _stuck(self, states: list[_State], workers: dict[int, int]) -> tuple[int, PipelineError] | None:
+        """The worker at the end of a chain of waits longer than the timeout, with the error
+        naming it; None while every wait and action is within the timeout. ``workers``
+        maps each stage to the worker that runs it."""
+        now = time.monotonic()
+        for w, state in enumerate(states):
+            if state.done or state.action is None or now - state.since <= self.timeout:
+                continue
+            chain = []
+            culprit = w
+            seen = {w}
+            while states[culprit].waiting_for is not None and not states[culprit].done:
+                kind, edge, i = states[culprit].waiting_for
+                src, dst = self.edge_ends[edge]
+                producer = src if kind == "act" else dst
+                what = "activation" if kind == "act" else "gradient"
+                chain.append(f"stage {states[culprit].action.stage} waits {now - states[culprit].since:.1f} s for the {what} of micro-batch {i} from stage {producer}")
+                nxt = workers.get(producer)
+                if nxt is None or nxt in seen:
+                    break
+                seen.add(nxt)
+                culprit = nxt
+            action = states[culprit].action
+            runner = self.runners[action.stage]
+            where = runner.name or str(runner.device)
+            head = (
+                f"stage {action.stage} on {where} has been running {action} (micro-batch {action.microbatch}) "
+                f"for {now - states[culprit].since:.1f} s"
+                if states[culprit].waiting_for is None
+                else f"stage {action.stage} on {where} is stuck at {action} (micro-batch {action.microbatch})"
+            )
+            detail = f" ({'; '.join(chain)})" if chain else ""
+            return culprit, PipelineError(
+                f"{head}, longer than Plan.timeout = {self.timeout:g} s{detail}: the stage hangs or is too slow; "
+                "raise Plan(timeout=...) if it is only slow",
+                action.stage,
+                action,
+            )
+        return None

@@ -1,0 +1,231 @@
+"""``PipelineBase``: what the local and the distributed pipeline share.
+
+The module-like API over the tensors this process holds (``named_parameters``,
+``state_dict``, ``load_state_dict``, ``zero_grad``, ``train``), the micro-batch split
+(data-parallel replicas take their shard first), the per-micro-batch loss weights, the
+schedule cache and the call/step flow. A subclass says how one call executes
+(``_execute``), what the caller gets back (``_output``, ``_step_loss``) and what follows a
+``load_state_dict`` (``_after_load``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from fxpipe import microbatch
+from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.stage import StageRunner
+from fxpipe.schedules import Schedule, forward_only, make_schedule
+from fxpipe.views import PipelineViews
+
+
+@dataclass
+class Batch:
+    """One call's micro-batches on this process: flat model inputs and targets per
+    micro-batch, their sizes, the samples of the whole batch (all replicas), and the
+    global index of the first micro-batch here."""
+
+    inputs: list[list]
+    targets: list[Any]
+    sizes: list[int]
+    total: int
+    first: int = 0
+    whole: Any = None  # the flat inputs before the cut
+
+    def input_gradient_leaves(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
+        """Give every micro-batch piece of an input that requires grad its own autograd leaf.
+
+        Returns (the caller's tensor, its pieces' leaves, whether it was cut or passed whole)
+        for :meth:`backward_inputs`. The caller's tensor may be a non-leaf: its graph is then
+        backpropagated once, after the step, as eager's single backward does.
+        """
+        originals = pytree.tree_leaves(self.whole)
+        wanted = [k for k, t in enumerate(originals) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not wanted:
+            return []
+        leaves: dict[int, list[torch.Tensor]] = {k: [] for k in wanted}
+        for i, flat in enumerate(self.inputs):
+            pieces, spec = pytree.tree_flatten(flat)
+            for k in wanted:
+                pieces[k] = pieces[k].detach().requires_grad_()
+                leaves[k].append(pieces[k])
+            self.inputs[i] = pytree.tree_unflatten(pieces, spec)
+        return [(originals[k], leaves[k], leaves[k][0].shape != originals[k].shape) for k in wanted]
+
+    @staticmethod
+    def backward_inputs(wanted: list[tuple[torch.Tensor, list[torch.Tensor], bool]]) -> None:
+        """Backpropagate the pieces' gradients into the caller's tensors (and their graphs)."""
+        tensors, grads = [], []
+        for original, leaves, cut in wanted:
+            pieces = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+            if all(leaf.grad is None for leaf in leaves):
+                continue
+            tensors.append(original)
+            grads.append(torch.cat([g.to(original.device) for g in pieces]) if cut else torch.stack([g.to(original.device) for g in pieces]).sum(0))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+
+def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, checkpoint: bool) -> StageRunner:
+    """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``."""
+    return StageRunner(
+        index=stage.index,
+        module=module,
+        device=device,
+        num_model_inputs=len(stage.model_inputs),
+        recv=list(stage.recv_ids),
+        send=list(stage.send_ids),
+        is_last=stage.index == num_stages - 1,
+        mutated_inputs=stage.mutated_inputs,
+        buffers_written=_running_statistics(module),
+        name=stage.device,
+        checkpoint=checkpoint,
+    )
+
+
+def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """Buffers a forward updates in place: normalisation layers' running statistics."""
+    found = []
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.batchnorm._NormBase):
+            found += [b for b in sub.buffers(recurse=False)]
+    return found
+
+
+class PipelineBase(PipelineViews):
+    """A compiled model's stages on this process, run on the plan's schedule.
+
+    Subclasses set ``part``, ``plan``, ``loss_fn``, ``frontend``, ``training``,
+    ``_params`` (the model's parameter names -> this process's tensors), ``_state`` (every
+    state_dict key held here -> tensor), ``_modules`` (the stage modules held here),
+    ``replicas``/``replica`` (data parallelism) and ``_partial_state`` (whether other
+    processes hold the rest of the model).
+    """
+
+    _params: dict[str, nn.Parameter]
+    _state: dict[str, torch.Tensor]
+    _modules: list[nn.Module]
+    _partial_state = False
+    replicas = 1
+    replica = 0
+
+    def _setup(self, part: Any, loss_fn: Any, training: bool) -> None:
+        self.part = part
+        self.plan = part.plan
+        self.loss_fn = loss_fn
+        self.frontend = part.frontend
+        self.training = training
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._last_events: list = []
+
+    # ------------------------------------------------------------------ running
+    def _actions(self, m: int, train: bool) -> Schedule:
+        """Every worker's action list for ``m`` micro-batches (forwards only for inference)."""
+        if (m, train) not in self._schedules:
+            actions = make_schedule(self.plan.schedule, self.part.num_stages, m, self.plan.chunks)
+            self._schedules[(m, train)] = actions if train else forward_only(actions)
+        return self._schedules[(m, train)]
+
+    def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
+        """This process's micro-batches of a call (its replica's shard under data parallelism)."""
+        values = (self.part.bind_inputs(args, kwargs), target)
+        total = microbatch.batch_size(values) or 1
+        if self.replicas > 1:
+            shards, _ = microbatch.split(values, self.replicas)
+            values = shards[self.replica]
+        pieces, sizes = microbatch.split(values, self.plan.microbatches)
+        return Batch([p[0] for p in pieces], [p[1] for p in pieces], sizes, total, self.replica * len(pieces), values[0])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
+
+        Stages keep autograd history when grad mode is on, so ``pipe(x).sum().backward()``
+        works too (not pipelined; use ``step`` for a scheduled backward).
+        """
+        batch = self._split(args, kwargs, None)
+        ctx = StepContext.capture(train=False, microbatch_base=batch.first)
+        self._execute(batch, ctx)
+        return self._output(batch, ctx)
+
+    forward = __call__
+
+    def step(self, *args: Any, target: Any = None, loss_fn: Any = None, **kwargs: Any) -> torch.Tensor:
+        """One training step's forward and backward on the schedule; returns the loss.
+
+        Every parameter's ``.grad`` accumulates exactly what eager
+        ``loss_fn(model(*args), target).backward()`` gives (micro-batch losses are weighted
+        by their share of the batch, so uneven micro-batches still sum to the full-batch
+        loss); an input with ``requires_grad`` gets its ``.grad`` as in eager. Without a loss
+        function the model's output must be a scalar loss. Gradients are computed under
+        ``torch.no_grad()`` too (a step is a backward); the caller's autocast applies to
+        every stage and to the loss. Raises MicrobatchError for more micro-batches than
+        samples, PipelineError (RankFailedError when distributed) naming the failing stage.
+        """
+        loss_fn = loss_fn or self.loss_fn
+        batch = self._split(args, kwargs, target)
+        weights = microbatch.loss_weights(batch.sizes, loss_fn, total=batch.total, scale=self.replicas)
+        loss_of = self._loss_function(loss_fn, batch, weights)
+        wanted = batch.input_gradient_leaves()
+        ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first)
+        self._execute(batch, ctx)
+        batch.backward_inputs(wanted)
+        return self._step_loss(ctx)
+
+    def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
+        return microbatch.weighted_loss(loss_fn, self.part.build_output, batch.targets, weights)
+
+    def _execute(self, batch: Batch, ctx: StepContext) -> None:
+        raise NotImplementedError
+
+    def _output(self, batch: Batch, ctx: StepContext) -> Any:
+        raise NotImplementedError
+
+    def _step_loss(self, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _after_load(self) -> None:
+        """Called after ``load_state_dict`` wrote new values."""
+
+    # ------------------------------------------------------------ module-like API
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under the model's names (this process's share when distributed);
+        a tied weight once, under its first name."""
+        yield from self._params.items()
+
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """The model's state_dict keys held here (tied weights under every name), detached."""
+        return OrderedDict((k, v.detach()) for k, v in self._state.items())
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a state dict saved from the model or from a pipeline of it.
+
+        With ``strict``, raises KeyError naming the keys held here that ``state`` lacks and,
+        when this process holds the whole model, the keys of ``state`` it does not know.
+        """
+        missing = [k for k in self._state if k not in state]
+        unexpected = [] if self._partial_state else [k for k in state if k not in self._state]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        with torch.no_grad():
+            for key, tensor in self._state.items():
+                if key in state:
+                    tensor.copy_(state[key].to(tensor.device))
+        self._after_load()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for module in self._modules:
+            module.zero_grad(set_to_none=set_to_none)
+
+    def train(self, mode: bool = True) -> PipelineBase:
+        """Set train/eval mode on every stage, as ``model.train(mode)`` does eagerly."""
+        self.training = mode
+        for module in self._modules:
+            module.train(mode)
+        return self

@@ -1,0 +1,157 @@
+"""The local stage runtime: grad mode, input gradients, dtypes, failures and hangs in bounded time."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from conftest import assert_grads_match, eager_microbatch_step
+from torch import nn
+
+import fxpipe
+
+CE = nn.CrossEntropyLoss()
+
+
+def mlp(width: int = 16, depth: int = 4, classes: int = 3) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+PLAN = dict(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_step_under_no_grad_still_computes_every_gradient(schedule: str) -> None:
+    model, x, t = mlp(), torch.randn(8, 16), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, {**PLAN, "schedule": schedule}, example_inputs=(x,), loss_fn=CE)
+    with torch.no_grad():
+        loss = pipe.step(x, target=t)
+    torch.testing.assert_close(loss, eager_microbatch_step(ref, (x,), t, CE, 4))
+    assert_grads_match(pipe, ref)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_input_gradients_equal_eager(checkpoint: bool) -> None:
+    model = mlp().double()
+    x, t = torch.randn(10, 16, dtype=torch.float64), torch.randint(0, 3, (10,))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, {**PLAN, "checkpoint": checkpoint}, example_inputs=(x,), loss_fn=CE)
+    x_pipe, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pipe.step(x_pipe, target=t)
+    eager_microbatch_step(ref, (x_ref,), t, CE, 4)
+    assert x_pipe.grad is not None
+    torch.testing.assert_close(x_pipe.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    assert_grads_match(pipe, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_input_gradient_reaches_the_tensors_it_was_computed_from() -> None:
+    """The pipeline's input is a non-leaf: its gradient flows on into the caller's graph."""
+    model, emb = mlp().double(), nn.Embedding(20, 16).double()
+    ids, t = torch.randint(0, 20, (8,)), torch.randint(0, 3, (8,))
+    pipe = fxpipe.compile(model, PLAN, example_inputs=(emb(ids).detach(),), loss_fn=CE)
+    ref_model, ref_emb = copy.deepcopy(model), copy.deepcopy(emb)
+    pipe.step(emb(ids), target=t)
+    # eager: one backward through the embedding, of the micro-batches' weighted losses
+    sizes = [2, 2, 2, 2]
+    total = sum(CE(ref_model(h), tt) * (n / 8) for h, tt, n in zip(ref_emb(ids).split(sizes), t.split(sizes), sizes))
+    total.backward()
+    torch.testing.assert_close(emb.weight.grad, ref_emb.weight.grad, rtol=1e-12, atol=1e-12)
+    assert_grads_match(pipe, ref_model, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_any_floating_dtype_runs_and_matches_eager(dtype: torch.dtype) -> None:
+    model = mlp().to(dtype)
+    x, t = torch.randn(8, 16, dtype=dtype), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, PLAN, example_inputs=(x,), loss_fn=CE)
+    loss = pipe.step(x, target=t)
+    assert loss.dtype == dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, eager_microbatch_step(ref, (x,), t, CE, 4).to(dtype), **tol)
+    assert_grads_match(pipe, ref, **tol)
+
+
+class Sleepy(nn.Module):
+    """Sleeps in forward when told to, to stand for a stage that hangs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.seconds = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return self.lin(x)
+
+
+class TwoPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Sleepy()
+        self.b = Sleepy()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_hanging_stage_fails_the_step_within_the_timeout_naming_it(stage: int) -> None:
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["b"], microbatches=4, timeout=1.0, leaf_modules=[Sleepy])
+    pipe = fxpipe.compile(TwoPart(), plan, example_inputs=(x,), loss_fn=CE)
+    pipe.step(x, target=t)
+    sleepy = pipe.stages[stage].module.get_submodule("a" if stage == 0 else "b")
+    sleepy.seconds = 4.0
+    start = time.monotonic()
+    with pytest.raises(fxpipe.PipelineError, match=rf"stage {stage} on cpu:{stage} has been running F{stage}:0 .*Plan.timeout = 1 s") as info:
+        pipe.step(x, target=t)
+    assert time.monotonic() - start < 1.0 + 2.0
+    assert info.value.stage == stage and info.value.microbatch == 0
+    sleepy.seconds = 0.0
+    time.sleep(4.0)  # the abandoned thread finishes its sleep; the next step runs on a fresh one
+    pipe.zero_grad()
+    ref = copy.deepcopy(TwoPart())
+    ref.load_state_dict(pipe.state_dict())
+    loss = pipe.step(x, target=t)
+    torch.testing.assert_close(loss, eager_microbatch_step(ref, (x,), t, CE, 4))
+
+
+def test_a_single_stage_that_hangs_is_caught_too() -> None:
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    model = nn.Sequential(Sleepy())
+    pipe = fxpipe.compile(model, fxpipe.Plan(microbatches=2, timeout=0.5, leaf_modules=[Sleepy]), example_inputs=(x,), loss_fn=lambda y, t: y.sum())
+    sleepy = pipe.stages[0].module.get_submodule("0")
+    sleepy.seconds = 2.0
+    with pytest.raises(fxpipe.PipelineError, match="stage 0 .* has been running F0:0"):
+        pipe.step(x, target=t)
+    sleepy.seconds = 0.0
+
+
+def test_a_raising_stage_stops_the_others_and_no_thread_leaks_across_failed_steps() -> None:
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    pipe = fxpipe.compile(mlp(), {**PLAN, "microbatches": 8}, example_inputs=(x,), loss_fn=CE)
+    calls = []
+
+    def boom(module, args, output):
+        calls.append(1)
+        raise ValueError("boom")
+
+    pipe.stages[1].module.register_forward_hook(boom)
+    threads = None
+    for _ in range(20):
+        calls.clear()
+        with pytest.raises(fxpipe.PipelineError, match=r"stage 1 on cpu:1 failed in F1:0 .*ValueError: boom"):
+            pipe.step(x, target=t)
+        assert len(calls) == 1  # stage 1 ran once and the step stopped
+        threads = threads or threading.active_count()
+        assert threading.active_count() == threads
