@@ -155,3 +155,44 @@ def test_a_raising_stage_stops_the_others_and_no_thread_leaks_across_failed_step
         assert len(calls) == 1  # stage 1 ran once and the step stopped
         threads = threads or threading.active_count()
         assert threading.active_count() == threads
+
+
+class Blocks(nn.Module):
+    """A small transformer block stack with a classifier head."""
+
+    def __init__(self, width: int = 32, depth: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_callers_autocast_reaches_every_stage(schedule: str) -> None:
+    model, x, t = Blocks(), torch.randn(8, 6, 32), torch.randint(0, 5, (8,))
+    ref = copy.deepcopy(model)
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["blocks.2"], microbatches=4, schedule=schedule)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, target=t)
+        expected = eager_microbatch_step(ref, (x,), t, CE, 4)
+        out = pipe(x)
+    assert out.dtype == torch.bfloat16  # the head ran under autocast, as in eager
+    with torch.no_grad():
+        plain = pipe(x)
+    assert plain.dtype == torch.float32  # and nothing of it sticks to later calls
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
+    assert_grads_match(pipe, ref, rtol=5e-2, atol=5e-3)
+    # the pipeline's gradients are bf16-autocast ones: far closer to eager's under autocast
+    # than to float32 eager's
+    name = "blocks.0.linear1.weight"
+    fp32 = copy.deepcopy(model)
+    eager_microbatch_step(fp32, (x,), t, CE, 4)
+    got, bf16_ref, fp32_ref = dict(pipe.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad, dict(fp32.named_parameters())[name].grad
+    assert (got - bf16_ref).norm() < 0.1 * (bf16_ref - fp32_ref).norm()
