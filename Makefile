@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean install
+.PHONY: demo test test-gpu lint bench bench-gpu clean install
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check fxpipe passes tests examples
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+# the GPU path (CPU+cuda:0 stages, own streams, bf16, NCCL with 2 GPUs); skips without CUDA
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or GPU"
 
 # every figure in docs/results.md's benchmark sections (about 20 minutes on 2 cores)
 bench: $(STAMP)

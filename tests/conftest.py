@@ -23,11 +23,11 @@ def eager_microbatch_step(model: nn.Module, inputs: tuple, target: Any, loss_fn:
     sizes = split_sizes(n, m)
     pieces = [torch.split(x, sizes) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else [x] * m for x in inputs]
     targets = torch.split(target, sizes)
-    total = torch.zeros(())
+    total = None
     for i in range(m):
         loss = loss_fn(model(*[p[i] for p in pieces]), targets[i]) * (sizes[i] / n)
         loss.backward()
-        total = total + loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     return total
 
 
@@ -41,7 +41,7 @@ def assert_grads_match(pipe: fxpipe.Pipeline, ref: nn.Module, rtol: float = 1e-4
             assert param.grad is None or not param.grad.abs().any(), name
             continue
         assert param.grad is not None, f"{name} has no gradient"
-        torch.testing.assert_close(param.grad.cpu(), ref_grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
+        torch.testing.assert_close(param.grad.cpu(), ref_grad.cpu(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
 def check_pipeline_matches_eager(
