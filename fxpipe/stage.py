@@ -20,7 +20,9 @@ class Stage:
 
     Compile-time facts the runtimes read instead of recomputing: ``recv_ids`` /
     ``send_ids`` (each edge's index in the partitioned graph's edge list, in argument /
-    output order) and ``mutated_inputs`` (argument positions its forward writes in place).
+    output order), ``mutated_inputs`` (argument positions its forward writes in place) and
+    ``extra_inputs`` (the roles of the trailing arguments compiler passes added: "rng_seed",
+    "weight_grads").
     """
 
     index: int
@@ -34,6 +36,7 @@ class Stage:
     recv_ids: list[int] = field(default_factory=list)
     send_ids: list[int] = field(default_factory=list)
     mutated_inputs: frozenset[int] = frozenset()
+    extra_inputs: tuple[str, ...] = ()
 
     @property
     def num_nodes(self) -> int:

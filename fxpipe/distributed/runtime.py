@@ -79,7 +79,7 @@ class RankExecutor:
         received: dict[tuple, list[torch.Tensor]] = {}
         pending_recvs: dict[int, list[tuple[Any, int]]] = {}
         pending_sends: list[tuple[Any, int]] = []
-        last_backward = {a.stage: k for k, a in enumerate(actions) if a.op == "B"}
+        last_backward = {a.stage: k for k, a in enumerate(actions) if a.op != "F"}  # B, or the later of I and W
         cuda = self.device.type == "cuda"
         origin = time.perf_counter()
 
@@ -130,7 +130,11 @@ class RankExecutor:
 
         def backward(k: int, action: Action) -> list:
             runner, i = self.runners[action.stage], action.microbatch
-            input_grads = runner.backward(i, [gradients(edge, i) for edge in runner.send], ctx)
+            if action.op == "W":
+                runner.backward_weight(i, ctx)
+                return []
+            run = runner.backward if action.op == "B" else runner.backward_input
+            input_grads = run(i, [gradients(edge, i) for edge in runner.send], ctx)
             remote = {msg.edge: msg for msg in plan.sends[k]}
             sends = []
             for edge, grads in zip(runner.recv, input_grads):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive micro-batches' seeds far apart
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,11 @@ class StepContext:
     microbatch_base: the global index of this process's first micro-batch (data-parallel
     replicas number theirs after the earlier replicas').
     outputs / losses: filled by the last stage, per micro-batch.
-    saved: what each (stage, micro-batch) keeps between its forward and its backward; it
-    belongs to the call, so a stage that outlives a failed call cannot touch the next one.
+    saved: what each (stage, micro-batch) keeps between its forward and its backward, and
+    deferred: the weight-gradient work an "I" leaves for its "W"; both belong to the call,
+    so a stage that outlives a failed call cannot touch the next one.
+    step_seed: drawn once per call from the caller's global generator when the pipeline
+    has random ops; every random op draws from (step_seed, global micro-batch index, op).
     """
 
     train: bool
@@ -76,16 +80,28 @@ class StepContext:
     microbatch_base: int = 0
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[list, Any, Any]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[list, Any, Any, list | None]] = field(default_factory=dict)
+    deferred: dict[tuple[int, int], list] = field(default_factory=dict)
+    step_seed: int = 0
+
+    def rng_seed(self, i: int) -> int:
+        """The seed micro-batch ``i``'s random ops draw from: the step's seed moved along by
+        the micro-batch's global index (the same on every rank and in a recompute)."""
+        return (self.step_seed + (self.microbatch_base + i) * _GOLDEN) % 2**64
 
     @classmethod
-    def capture(cls, train: bool, loss_of: Callable[[int, Any], torch.Tensor] | None = None, microbatch_base: int = 0) -> StepContext:
+    def capture(
+        cls, train: bool, loss_of: Callable[[int, Any], torch.Tensor] | None = None, microbatch_base: int = 0, random: bool = False
+    ) -> StepContext:
         """The context of a call made now on this thread: a training step always records
-        autograd graphs (``step()`` under ``torch.no_grad()`` still computes gradients)."""
+        autograd graphs (``step()`` under ``torch.no_grad()`` still computes gradients);
+        with ``random`` (the pipeline has random ops) one seed is drawn from the caller's
+        global generator, so it advances the same way whatever the schedule."""
         return cls(
             train=train,
             grad_enabled=train or torch.is_grad_enabled(),
             autocast=AutocastState.current(),
             loss_of=loss_of,
             microbatch_base=microbatch_base,
+            step_seed=int(torch.empty((), dtype=torch.int64).random_()) if random else 0,
         )

@@ -135,11 +135,16 @@ class LocalExecutor:
                     box.put(("act", edge, i), value, event)
             return began
 
-        def backward(stream: WorkerStream, runner: StageRunner, i: int, state: _State) -> float:
+        def backward(stream: WorkerStream, runner: StageRunner, i: int, state: _State, op: str) -> float:
+            if op == "W":
+                began = time.perf_counter()
+                runner.backward_weight(i, ctx)
+                return began
             grads = [stream.receive(*box.take(("grad", e, i), state)) for e in runner.send]
             began = time.perf_counter()
             state.since = time.monotonic()
-            input_grads = runner.backward(i, grads, ctx)
+            run = runner.backward if op == "B" else runner.backward_input
+            input_grads = run(i, grads, ctx)
             event = stream.record()
             for edge, value in zip(runner.recv, input_grads):
                 box.put(("grad", edge, i), value, event)
@@ -159,8 +164,10 @@ class LocalExecutor:
                     state.action, state.since = action, time.monotonic()
                     waited = time.perf_counter()
                     with stream.active():
-                        run = forward if action.op == "F" else backward
-                        start = run(stream, runner, action.microbatch, state)
+                        if action.op == "F":
+                            start = forward(stream, runner, action.microbatch, state)
+                        else:
+                            start = backward(stream, runner, action.microbatch, state, action.op)
                     if record:
                         stream.synchronize()
                         device = runner.name or str(runner.device)

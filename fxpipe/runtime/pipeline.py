@@ -87,6 +87,7 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         buffers_written=_running_statistics(module),
         name=stage.device,
         checkpoint=checkpoint,
+        extra_inputs=tuple(stage.extra_inputs),
     )
 
 
@@ -124,6 +125,7 @@ class PipelineBase(PipelineViews):
         self.training = training
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._last_events: list = []
+        self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
     def _actions(self, m: int, train: bool) -> Schedule:
@@ -150,7 +152,7 @@ class PipelineBase(PipelineViews):
         works too (not pipelined; use ``step`` for a scheduled backward).
         """
         batch = self._split(args, kwargs, None)
-        ctx = StepContext.capture(train=False, microbatch_base=batch.first)
+        ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
         self._execute(batch, ctx)
         return self._output(batch, ctx)
 
@@ -173,7 +175,7 @@ class PipelineBase(PipelineViews):
         weights = microbatch.loss_weights(batch.sizes, loss_fn, total=batch.total, scale=self.replicas)
         loss_of = self._loss_function(loss_fn, batch, weights)
         wanted = batch.input_gradient_leaves()
-        ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first)
+        ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first, random=self._random)
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
         return self._step_loss(ctx)

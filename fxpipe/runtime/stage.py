@@ -12,7 +12,14 @@ everything about running a stage once:
 - the loss of the last stage;
 - checkpointing: the forward runs without autograd and is recomputed in backward, with
   the buffers it updates (BatchNorm running statistics) restored after the recompute, so
-  they change once per micro-batch as in eager.
+  they change once per micro-batch as in eager;
+- the stage's extra arguments, named by role at compile time: ``rng_seed`` (what the
+  stage's random ops draw from: the step's seed and the micro-batch's global index, the
+  same in a recompute) and ``weight_grads`` (the list a stage whose backward is split
+  into I and W keeps its deferred weight-gradient work in).
+
+``backward`` is "B": input and weight gradients at once. ``backward_input`` ("I") and
+``backward_weight`` ("W") split it for zero-bubble schedules.
 
 Gradients travel as one list per edge, aligned with the edge value's pytree leaves
 (``None`` where a leaf carries no gradient).
@@ -41,7 +48,8 @@ class StageRunner:
     recv / send: edge ids of the stage's inputs after the model's own (in argument order)
     and of its output tuple; mutated_inputs: argument positions it writes in place;
     buffers_written: buffers its forward updates in place (restored after a recompute);
-    name: the logical device ("cpu:1") shown in timelines.
+    name: the logical device ("cpu:1") shown in timelines; extra_inputs: the roles of the
+    stage's trailing arguments ("rng_seed", "weight_grads"), in order.
     """
 
     index: int
@@ -55,6 +63,7 @@ class StageRunner:
     buffers_written: Sequence[torch.Tensor] = field(default_factory=list)
     name: str = ""
     checkpoint: bool = False
+    extra_inputs: tuple[str, ...] = ()
 
     def forward(self, i: int, model_inputs: Sequence[Any], received: Sequence[Any], ctx: StepContext) -> list[Any]:
         """Run micro-batch ``i``; return the values for the send edges (``[]`` for the last
@@ -62,6 +71,8 @@ class StageRunner:
         recompute = ctx.train and self.checkpoint
         args = [move(v, self.device, detach=False) for v in model_inputs]
         args += [move(v, self.device, detach=ctx.train) for v in received]
+        store: list | None = [] if "weight_grads" in self.extra_inputs else None
+        args += self._extras(i, ctx, store)
         rng = rng_state(self.device) if recompute else None
         with torch.set_grad_enabled(ctx.grad_enabled and not recompute), ctx.autocast.applied():
             out = self._call(args)
@@ -70,7 +81,7 @@ class StageRunner:
         if self.is_last:
             ctx.outputs[i] = _detached(out) if ctx.train else out
         if ctx.train:
-            ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, rng)
+            ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, rng, store)
         if self.is_last:
             return []
         if recompute and wants_grad(self.module, args):
@@ -80,9 +91,27 @@ class StageRunner:
         return list(out)
 
     def backward(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> list[Grads]:
-        """Backpropagate micro-batch ``i`` through the stage, given the gradients of its
+        """"B": backpropagate micro-batch ``i`` through the stage, given the gradients of its
         outputs (one list per send edge); return the gradients of its received inputs."""
-        args, out, rng = ctx.saved.pop((self.index, i))
+        input_grads, store = self._backprop(i, output_grads, ctx)
+        for work in store or ():
+            work()
+        return input_grads
+
+    def backward_input(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> list[Grads]:
+        """"I": like ``backward``, but the weight gradients of the ops that can defer them
+        wait for ``backward_weight``; only what those need is kept until then."""
+        input_grads, store = self._backprop(i, output_grads, ctx)
+        ctx.deferred[(self.index, i)] = store or []
+        return input_grads
+
+    def backward_weight(self, i: int, ctx: StepContext) -> None:
+        """"W": the weight gradients ``backward_input`` deferred for micro-batch ``i``."""
+        for work in ctx.deferred.pop((self.index, i)):
+            work()
+
+    def _backprop(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> tuple[list[Grads], list | None]:
+        args, out, rng, store = ctx.saved.pop((self.index, i))
         if self.checkpoint:
             with restored_rng(self.device, rng), torch.enable_grad(), ctx.autocast.applied(), self._buffers_restored():
                 out = self._call(args)
@@ -105,10 +134,12 @@ class StageRunner:
             torch.autograd.backward(tensors, grads if any(g is not None for g in grads) else None)
         if self.is_last and i in ctx.losses:
             ctx.losses[i] = ctx.losses[i].detach()
-        return [
-            [t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(value)]
-            for value in args[self.num_model_inputs :]
-        ]
+        received = args[self.num_model_inputs : len(args) - len(self.extra_inputs)]
+        input_grads = [[t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(v)] for v in received]
+        return input_grads, store
+
+    def _extras(self, i: int, ctx: StepContext, store: list | None) -> list[Any]:
+        return [ctx.rng_seed(i) if role == "rng_seed" else store for role in self.extra_inputs]
 
     def _call(self, args: list[Any]) -> Any:
         if self.mutated_inputs:
