@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+_NOTHING = contextlib.nullcontext()
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive micro-batches' seeds far apart
 
 
@@ -40,9 +41,14 @@ class AutocastState:
     def enabled(self) -> bool:
         return bool(self.settings)
 
+    def applied(self) -> contextlib.AbstractContextManager:
+        """A context running its block under this autocast state (on any thread)."""
+        if not self.settings:
+            return _NOTHING
+        return self._entered()
+
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Run the block under this autocast state (on any thread)."""
+    def _entered(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for device, enabled, dtype in self.settings:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=self.cache))

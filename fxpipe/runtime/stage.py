@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.streams import carries_grad, move, restored_rng, rng_state, wants_grad
+from fxpipe.runtime.streams import carries_grad, leaves, move, restored_rng, rng_state, wants_grad
 
 Grads = list[torch.Tensor | None]
 
@@ -126,7 +126,7 @@ class StageRunner:
                 grads.append(None)
         else:
             for value, edge_grads in zip(out, output_grads):
-                for t, g in zip(pytree.tree_leaves(value), edge_grads):
+                for t, g in zip(leaves(value), edge_grads):
                     if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
                         tensors.append(t)
                         grads.append(g if g.device == t.device else g.to(t.device, non_blocking=True))
@@ -135,7 +135,7 @@ class StageRunner:
         if self.is_last and i in ctx.losses:
             ctx.losses[i] = ctx.losses[i].detach()
         received = args[self.num_model_inputs : len(args) - len(self.extra_inputs)]
-        input_grads = [[t.grad if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(v)] for v in received]
+        input_grads = [[t.grad if isinstance(t, torch.Tensor) else None for t in leaves(v)] for v in received]
         return input_grads, store
 
     def _extras(self, i: int, ctx: StepContext, store: list | None) -> list[Any]:
@@ -159,4 +159,6 @@ class StageRunner:
 
 
 def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)

@@ -23,13 +23,11 @@ class WorkerStream:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> contextlib.AbstractContextManager:
+        """The block runs on this worker's stream (nothing to do on the CPU)."""
         if self.stream is None:
-            yield
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            yield
+            return _NOTHING
+        return _on_stream(self.device, self.stream)
 
     def record(self) -> Any:
         """An event marking the work queued so far (None on the CPU)."""
@@ -57,6 +55,15 @@ class WorkerStream:
             self.stream.synchronize()
 
 
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _on_stream(device: torch.device, stream: Any) -> Iterator[None]:
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
 def move(value: Any, device: torch.device, detach: bool) -> Any:
     """Tensors in ``value`` moved to ``device``; with ``detach``, as fresh autograd leaves
     that require grad exactly when the source did (the boundary of a stage's backward)."""
@@ -67,7 +74,14 @@ def move(value: Any, device: torch.device, detach: bool) -> Any:
         out = t.detach().to(device, non_blocking=True)
         return out.requires_grad_(t.requires_grad)
 
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's cost
+        return one(value)
     return pytree.tree_map_only(torch.Tensor, one, value)
+
+
+def leaves(value: Any) -> list[Any]:
+    """The pytree leaves of a value (a tensor is its own single leaf, cheaply)."""
+    return [value] if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
 
 
 def wants_grad(module: torch.nn.Module, args: list) -> bool:
