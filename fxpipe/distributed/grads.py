@@ -47,11 +47,10 @@ class GradAverager:
     stage_params: this rank's trainable parameters per stage (shared ones listed once).
     """
 
-    def __init__(self, stage_params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup, size: int, peer: int, watchdog: Watchdog) -> None:
+    def __init__(self, stage_params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup, size: int, watchdog: Watchdog) -> None:
         self.buckets = {s: _buckets(params) for s, params in stage_params.items()}
         self.group = group
         self.size = size
-        self.peer = peer
         self.watchdog = watchdog
         self.pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
 
@@ -65,7 +64,7 @@ class GradAverager:
     def finish(self) -> None:
         """Wait for every launched reduction and write the averages into ``.grad``."""
         pending, self.pending = self.pending, []
-        self.watchdog.wait([(work, self.peer) for work, _, _ in pending], lambda: "the data-parallel gradient all-reduce")
+        self.watchdog.wait([(work, None) for work, _, _ in pending], lambda: "the data-parallel gradient all-reduce", peers=dist.get_process_group_ranks(self.group))
         for _, flat, bucket in pending:
             flat.div_(self.size)
             for p, g in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
@@ -75,13 +74,14 @@ class GradAverager:
                     p.grad.copy_(g)
 
 
-def average_buffers(buffers: list[torch.Tensor], group: dist.ProcessGroup, size: int, peer: int, watchdog: Watchdog) -> None:
+def average_buffers(buffers: list[torch.Tensor], group: dist.ProcessGroup, size: int, watchdog: Watchdog) -> None:
     """Average floating-point buffers (BatchNorm running statistics) over the replicas, so
     every replica evaluates alike, as one model trained on the whole batch would."""
     if not buffers:
         return
     flat = _flatten_dense_tensors(buffers)
-    watchdog.wait([(dist.all_reduce(flat, group=group, async_op=True), peer)], lambda: "the buffer all-reduce")
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    watchdog.wait([(work, None)], lambda: "the buffer all-reduce", peers=dist.get_process_group_ranks(group))
     flat.div_(size)
     for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers)):
         buffer.copy_(value)
@@ -93,9 +93,8 @@ class TiedGrads:
     groups: (this rank's copies of one tied weight, process group of its holders).
     """
 
-    def __init__(self, groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]], peer: int, watchdog: Watchdog) -> None:
+    def __init__(self, groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]], watchdog: Watchdog) -> None:
         self.groups = groups
-        self.peer = peer
         self.watchdog = watchdog
         self.stash: dict[int, torch.Tensor | None] = {}
 
@@ -108,13 +107,14 @@ class TiedGrads:
 
     def after_step(self) -> None:
         """Sum this step's gradients over the holders and add back what was set aside."""
-        works = []
+        works, peers = [], set()
         for params, group in self.groups:
+            peers.update(dist.get_process_group_ranks(group))
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                works.append((dist.all_reduce(p.grad, group=group, async_op=True), self.peer))
-        self.watchdog.wait(works, lambda: "the tied-weight gradient all-reduce")
+                works.append((dist.all_reduce(p.grad, group=group, async_op=True), None))
+        self.watchdog.wait(works, lambda: "the tied-weight gradient all-reduce", peers=sorted(peers))
         for params, _ in self.groups:
             for p in params:
                 stashed = self.stash.pop(id(p), None)

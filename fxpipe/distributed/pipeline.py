@@ -66,7 +66,7 @@ class DistributedPipeline(PipelineBase):
         store = dist.distributed_c10d._get_default_store()
         prefix = f"fxpipe/{next(_instances)}/"
         check_same_plan(store, prefix, layout.rank, layout.world, _fingerprint_parts(part, layout), _plan_summary(part, layout), plan.timeout)
-        self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout)
+        self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout, layout.world)
         self.mesh = make_mesh(layout, self.device)
 
         self._edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
@@ -90,17 +90,14 @@ class DistributedPipeline(PipelineBase):
             runners, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog,
             fused=self.device.type == "cuda", worker=layout.worker,
         )
-        self._tied = TiedGrads(self._tied_groups(aliases), layout.rank, self.watchdog)
+        self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
         self._averager = None
         self._dp_group = None
         self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
         if layout.replicas > 1:
             dp_group = self._dp_group = self.mesh.get_group("dp")
             self._broadcast_from_first_replica(dp_group)
-            self._averager = GradAverager(
-                {s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas,
-                layout.rank, self.watchdog,
-            )
+            self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas, self.watchdog)
         self._barrier()
         self._specs: dict[tuple, dict[int, ValueSpec]] = {}
         self._messages: dict[tuple, comm.ActionMessages] = {}
@@ -140,7 +137,7 @@ class DistributedPipeline(PipelineBase):
         """Every rank reached the end of set-up (also creates NCCL communicators eagerly)."""
         flag = torch.ones(1, device=self.device)
         work = dist.all_reduce(flag, async_op=True)
-        self.watchdog.wait([(work, 0)], lambda: "the other ranks to finish setting up")
+        self.watchdog.wait([(work, None)], lambda: "the other ranks to finish setting up", peers=range(self.world_size))
 
     # ------------------------------------------------------------- running
     def _edge_specs(self, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
@@ -170,7 +167,7 @@ class DistributedPipeline(PipelineBase):
         if self._averager is not None:
             self._averager.finish()
             with torch.no_grad():
-                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.layout.rank, self.watchdog)
+                average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
 
     def _plan_messages(self, actions: list, spec: Any) -> comm.ActionMessages:
@@ -210,7 +207,7 @@ class DistributedPipeline(PipelineBase):
             packet[0] = loss.detach().to(torch.float64)
             packet[1] = _LOSS_DTYPES.index(loss.dtype) + 1
         work = dist.all_reduce(packet, async_op=True)
-        self.watchdog.wait([(work, self.layout.rank_of_stage(self.part.num_stages - 1))], lambda: "the loss")
+        self.watchdog.wait([(work, None)], lambda: "the loss", peers=range(self.world_size))
         dtype = _LOSS_DTYPES[round(float(packet[1]) / self.layout.replicas) - 1]
         return packet[0].to(dtype)
 

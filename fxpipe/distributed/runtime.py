@@ -93,7 +93,11 @@ class RankExecutor:
             for msg in plan.recvs[k] if k < len(actions) else []:
                 received[msg.key] = buffers(msg)
                 recvs.append((msg, received[msg.key]))
-            send_works, recv_works = comm.post(sends, recvs, num_edges)
+            try:
+                send_works, recv_works = comm.post(sends, recvs, num_edges)
+            except RuntimeError as err:  # gloo refuses to post to a peer that is gone
+                peers = sorted({msg.peer for msg, _ in sends + recvs})
+                raise self.watchdog.lost(err, peers) from err
             pending_sends.extend(send_works)
             pending_recvs.setdefault(k, []).extend(recv_works)
 
@@ -154,6 +158,7 @@ class RankExecutor:
             elif k + 1 < len(actions):
                 post(k + 1, [])  # prefetch: the next action's inputs arrive while this one computes
             self.watchdog.wait(pending_recvs.pop(k, []), lambda a=action: f"the inputs of {a}")
+            self.watchdog.running(str(action))
             start = time.perf_counter()
             try:
                 sends = forward(k, action) if action.op == "F" else backward(k, action)
