@@ -189,10 +189,13 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     it returns a ``fxpipe.distributed.DistributedPipeline`` holding only this rank's
     stages; a model built on the meta device is then filled per rank from ``weights``
     (a state dict, a checkpoint path, an init function, or None for the modules' own
-    ``reset_parameters``). See docs/distributed.md.
+    ``reset_parameters``). See docs/distributed.md. In one process ``weights`` cannot
+    apply: it raises MaterializeError (load the weights into the model first).
     """
     from fxpipe.distributed.layout import requested as distributed_requested
+    from fxpipe.distributed.materialize import check_weights_apply
 
+    check_weights_apply(weights, distributed_requested())
     plan = Plan.coerce(plan)
     part = partition(model, plan, example_inputs, example_kwargs, profile)
     if distributed_requested():

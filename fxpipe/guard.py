@@ -9,23 +9,31 @@ fxpipe's tracing the guard does nothing at all, so the model runs eagerly unchan
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+from contextlib import AbstractContextManager
 
-from fxpipe.devices import normalize_device
-from fxpipe.passes.tags import is_tracing, tagged
+from fxpipe.devices import DeviceError, normalize_device
+from fxpipe.passes.tags import TagError, is_tracing, tagged
 
 
-@contextlib.contextmanager
-def device_guard(device: str) -> Iterator[None]:
+class DeviceGuardError(DeviceError, TagError):
+    """An unknown device in a ``device_guard`` block; the message names the line of forward."""
+
+
+def device_guard(device: str) -> AbstractContextManager[None]:
     """Run the enclosed part of ``forward`` on ``device`` ("cpu", "cpu:N", "cuda:N", "gpu:N").
 
     A no-op in eager mode. While fxpipe traces, every node created inside is tagged with
     the canonical device name; the annotate pass turns each contiguous run of one tag
-    into a pipeline stage. Raises DeviceError for an unknown device name.
+    into a pipeline stage. Raises DeviceError (a DeviceGuardError) for an unknown device
+    name, naming the file and line of ``forward`` that opened the block, eagerly and while
+    compiling alike (tracing stops there instead of trying another frontend).
     """
-    name = normalize_device(device, where="device_guard")
-    if not is_tracing():
-        yield
-        return
-    with tagged(name):
-        yield
+    caller = sys._getframe(1)
+    where = f"fxpipe.device_guard({device!r}) at {caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}()"
+    try:
+        name = normalize_device(device, where)
+    except DeviceError as err:
+        # raised here, not inside normalize_device: the traceback ends at the user's line
+        raise DeviceGuardError(str(err)) from None
+    return tagged(name) if is_tracing() else contextlib.nullcontext()

@@ -3,19 +3,35 @@
 A batch of N samples cut into m micro-batches gets sizes as even as possible
 (10 into 4 → 3, 3, 2, 2). Tensors whose dim 0 equals N are cut; everything else
 (non-tensor arguments, tensors of another leading size, 0-d tensors) is passed whole
-to every micro-batch.
+to every micro-batch. A step's target is cut the same way, and must be batch-sized.
+
+Outputs are put back together by what they are, decided at compile time: an output
+whose dim 0 follows the input batch (:func:`batched_outputs`) is concatenated; any
+other tensor output (a 0-d auxiliary loss, per-layer statistics) is merged only as
+``Plan(output_merge={path: "cat" | "stack" | "sum" | "mean"})`` says. An output's
+*path* names it inside the model's return value: tuple or list indices, dict keys and
+namedtuple fields joined by dots ("1", "aux", "0.aux"); a bare tensor's path is "".
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
+
+MERGE_MODES = ("cat", "stack", "sum", "mean")
 
 
 class MicrobatchError(ValueError):
-    """The batch cannot be cut as the plan asks."""
+    """The batch cannot be cut, or the outputs merged, as the plan asks."""
+
+
+class LossFunctionError(TypeError):
+    """``loss_fn`` cannot take the model's output as it is; the message says what to pass."""
 
 
 def batch_size(values: Any) -> int | None:
@@ -58,26 +74,226 @@ def split(values: Any, m: int) -> tuple[list[Any], list[int]]:
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)], sizes
 
 
-def merge(outputs: list[Any]) -> Any:
-    """Put micro-batch outputs back together: tensors are concatenated along dim 0.
+def split_step(inputs: Any, target: Any, m: int) -> tuple[list[Any], list[Any], list[int]]:
+    """Cut a training step's inputs and target into m micro-batches.
 
-    Leaves that are not tensors with a batch dimension are kept from the first micro-batch
-    when all micro-batches agree, and returned as a list otherwise.
+    Returns (inputs per micro-batch, target per micro-batch, sizes). Every tensor of the
+    target with a dim 0 must have the inputs' batch size: target row i belongs to sample
+    i. Raises MicrobatchError naming the target tensor and both sizes when it does not,
+    and what :func:`split` raises.
     """
-    if len(outputs) == 1:
-        return outputs[0]
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    merged = []
-    for column in zip(*(leaves for leaves, _ in flat)):
-        first = column[0]
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            merged.append(torch.cat([t.to(first.device) for t in column]))
-        elif all(_same(first, other) for other in column[1:]):
-            merged.append(first)
+    n = batch_size(inputs)
+    if n is not None:
+        for path, leaf in _leaves_with_paths(target):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != n:
+                where = "target" + "".join(_accessor(path))
+                raise MicrobatchError(
+                    f"{where} has {leaf.shape[0]} samples (shape {tuple(leaf.shape)}) but the inputs have "
+                    f"{n}: pass one target row per input sample (target[i] belongs to sample i). A tensor "
+                    "that is the same for every sample belongs in loss_fn (a closure), not in target"
+                )
+    pieces, sizes = split((inputs, target), m)
+    return [p[0] for p in pieces], [p[1] for p in pieces], sizes
+
+
+# ------------------------------------------------------------------ output paths
+def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
+    """(key path, leaf) for every leaf, in ``pytree.tree_leaves`` order."""
+    try:
+        return pytree.tree_flatten_with_path(tree)[0]
+    except ValueError:  # a container registered without key paths: number its children
+        leaves, spec = pytree.tree_flatten(tree)
+        return list(zip(_index_paths(spec), leaves))
+
+
+def _index_paths(spec: pytree.TreeSpec, prefix: tuple = ()) -> list[tuple]:
+    if spec.is_leaf():
+        return [prefix]
+    return [p for i, child in enumerate(spec.children()) for p in _index_paths(child, (*prefix, pytree.SequenceKey(i)))]
+
+
+def _name(entry: Any) -> str:
+    for field in ("key", "idx", "name"):
+        if hasattr(entry, field):
+            return str(getattr(entry, field))
+    return str(entry)
+
+
+def path_of(key_path: tuple) -> str:
+    """The dotted name of an output leaf ("0.aux"; "" for the output itself)."""
+    return ".".join(_name(entry) for entry in key_path)
+
+
+def _accessor(key_path: tuple) -> list[str]:
+    """Python that reaches a leaf: ``[0]``, ``['aux']``, ``.logits``."""
+    parts = []
+    for entry in key_path:
+        if isinstance(entry, pytree.GetAttrKey):
+            parts.append(f".{entry.name}")
+        elif isinstance(entry, pytree.MappingKey):
+            parts.append(f"[{entry.key!r}]")
         else:
-            merged.append(list(column))
+            parts.append(f"[{_name(entry)}]")
+    return parts
+
+
+def _label(path: str) -> str:
+    return f"output {path!r}" if path else "the output"
+
+
+def describe(value: Any) -> str:
+    """A short structural description: ``tuple (Tensor[4, 2], Tensor[])``."""
+
+    def inner(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"Tensor{list(v.shape)}"
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{k!r}: {inner(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, tuple | list):
+            body = ", ".join(inner(x) for x in v)
+            return f"[{body}]" if isinstance(v, list) else f"({body})"
+        return type(v).__name__
+
+    return f"{type(value).__name__} {inner(value)}"
+
+
+# ----------------------------------------------------------- batched outputs
+def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> dict[str, bool]:
+    """Which tensor outputs of ``model(*args, **kwargs)`` are batched: dim 0 follows the batch.
+
+    Runs ``forward`` twice on fake tensors (``FakeTensorMode``; the parameters and buffers
+    are fake copies put in through ``torch.func.functional_call``), with every batch-sized
+    input at the example's batch size N and at 2N: nothing is computed, and the model, its
+    buffers and the random generators are left as they were. An output is batched when its
+    dim 0 is k × the batch for one k ≥ 1 at both sizes (k > 1: rows of batch × sequence
+    flattened). Returns {path: batched} for every tensor output (paths as in the module
+    docstring). When ``forward`` cannot run on fake tensors, warns and returns {}: then
+    every tensor output merged over several micro-batches needs its ``output_merge`` entry.
+    """
+    kwargs = dict(kwargs or {})
+    n = batch_size((args, kwargs))
+    try:
+        first = _fake_outputs(model, args, kwargs, n, n)
+        second = _fake_outputs(model, args, kwargs, n, 2 * n) if n is not None else first
+    except Exception as err:  # noqa: BLE001 - any failure: fall back to explicit output_merge
+        text = str(err).strip().splitlines()
+        warnings.warn(
+            f"fxpipe: {type(model).__name__}.forward did not run on fake tensors ({type(err).__name__}: "
+            f"{text[0] if text else ''}), so which outputs are batched is unknown; merging several "
+            "micro-batches' outputs will ask for Plan(output_merge={path: 'cat' | 'stack' | 'sum' | 'mean'})",
+            stacklevel=2,
+        )
+        return {}
+    batched = {}
+    for path, rows in first.items():
+        again = second.get(path)
+        batched[path] = (
+            n is not None and rows is not None and again is not None
+            and rows > 0 and rows % n == 0 and again == 2 * rows
+        )
+    return batched
+
+
+def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, size: int | None) -> dict[str, int | None]:
+    """dim 0 (None for 0-d) of every tensor output when the batch-sized inputs have ``size`` rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    mode = FakeTensorMode()
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    on_meta = any(t.is_meta for t in state.values())
+    fake_state = {name: mode.from_tensor(t) for name, t in state.items()}
+
+    def fake(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        device = torch.device("meta") if on_meta else leaf.device
+        shape = (size, *leaf.shape[1:]) if leaf.dim() > 0 and leaf.shape[0] == n else tuple(leaf.shape)
+        with mode:
+            return torch.empty(shape, dtype=leaf.dtype, device=device)
+
+    fake_args, fake_kwargs = pytree.tree_map(fake, (tuple(args), kwargs))
+    with mode, torch.no_grad():
+        out = functional_call(model, fake_state, fake_args, fake_kwargs)
+    return {
+        path_of(key_path): (int(leaf.shape[0]) if leaf.dim() > 0 else None)
+        for key_path, leaf in _leaves_with_paths(out)
+        if isinstance(leaf, torch.Tensor)
+    }
+
+
+def check_output_merge(output_merge: Mapping[str, str], batched: Mapping[str, bool]) -> None:
+    """Raise MicrobatchError when ``output_merge`` names a path that is no tensor output
+    (``batched`` lists them; nothing is checked when it is empty: unknown)."""
+    unknown = sorted(set(output_merge) - set(batched))
+    if batched and unknown:
+        known = ", ".join(repr(p) for p in batched)
+        raise MicrobatchError(f"plan.output_merge names {unknown}, but the model's tensor outputs are {known}")
+
+
+# ------------------------------------------------------------------ merging
+def merge(
+    outputs: list[Any],
+    sizes: list[int] | None = None,
+    batched: Mapping[str, bool] | None = None,
+    output_merge: Mapping[str, str] | None = None,
+) -> Any:
+    """Put micro-batch outputs (of the model's structure) back together.
+
+    sizes: the micro-batch sizes ("mean" weights by them); batched: from
+    :func:`batched_outputs`, at compile time; output_merge: ``Plan.output_merge``.
+    A tensor with an ``output_merge`` entry is merged as it says ("cat" along dim 0,
+    "stack" on a new dim 0, "sum", or "mean": the micro-batch values weighted by their
+    sizes, so a mean-reduced loss equals its full-batch value); other batched tensors are
+    concatenated along dim 0. Leaves that are not tensors are kept from the first
+    micro-batch when all agree, and returned as a list otherwise. ``batched=None`` (no
+    compile-time answer) concatenates every tensor with a dim 0, as before.
+
+    Raises MicrobatchError for a tensor output that is not batched and has no
+    ``output_merge`` entry when there are several micro-batches, naming its path and the
+    option.
+    """
+    output_merge = output_merge or {}
+    if len(outputs) == 1 and not output_merge:
+        return outputs[0]
+    flat = [_leaves_with_paths(o) for o in outputs]
+    spec = pytree.tree_structure(outputs[0])
+    merged = []
+    for column in zip(*flat):
+        values = [leaf for _, leaf in column]
+        merged.append(_merge_leaf(path_of(column[0][0]), values, sizes, batched, output_merge))
     return pytree.tree_unflatten(merged, spec)
+
+
+def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: Mapping[str, bool] | None, output_merge: Mapping[str, str]) -> Any:
+    first = values[0]
+    mode = output_merge.get(path)
+    if mode is None and isinstance(first, torch.Tensor):
+        if batched is None:
+            mode = "cat" if first.dim() > 0 else None
+        elif batched.get(path, False):
+            mode = "cat"
+        elif len(values) > 1:
+            known = "does not follow the batch" if path in batched else "was not known at compile time to follow the batch"
+            raise MicrobatchError(
+                f"{_label(path)} is a tensor of shape {tuple(first.shape)} whose dim 0 {known}, so fxpipe will not "
+                f"concatenate it over the {len(values)} micro-batches; say how to merge it: "
+                f"Plan(output_merge={{{path!r}: 'mean'}}) (or 'cat', 'stack', 'sum'; 'mean' weights micro-batches by size)"
+            )
+    if mode is None:
+        return first if all(_same(first, other) for other in values[1:]) else list(values)
+    if not isinstance(first, torch.Tensor):
+        raise MicrobatchError(f"plan.output_merge[{path!r}] = {mode!r}, but {_label(path)} is a {type(first).__name__}, not a tensor")
+    values = [v.to(first.device) for v in values]
+    if mode == "cat":
+        return torch.cat(values)
+    if mode == "stack":
+        return torch.stack(values)
+    if mode == "sum":
+        return torch.stack(values).sum(0)
+    if sizes is None:
+        raise ValueError("merge: 'mean' needs the micro-batch sizes")
+    return torch.stack([v * n for v, n in zip(values, sizes)]).sum(0) / sum(sizes)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -89,6 +305,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------- loss
 def loss_weights(sizes: list[int], loss_fn: Any, total: int | None = None, scale: float = 1.0) -> list[float]:
     """Weights that make the micro-batch losses sum to the whole batch's loss.
 
@@ -107,13 +324,20 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
 
     ``build_output`` turns the last stage's output into what the model returns. Without a
     ``loss_fn`` the model's output (or its ``.loss``) must be a scalar loss; otherwise
-    ``loss_of`` raises ValueError saying so.
+    ``loss_of`` raises ValueError saying so. When ``loss_fn`` fails on an output that is
+    not a tensor (a tuple, a dict) with a TypeError or AttributeError, ``loss_of`` raises
+    LossFunctionError describing the output and how to pass the part the loss needs.
     """
 
     def loss_of(i: int, out: Any) -> torch.Tensor:
         out = build_output(out)
         if loss_fn is not None:
-            loss = loss_fn(out, targets[i])
+            try:
+                loss = loss_fn(out, targets[i])
+            except (TypeError, AttributeError) as err:
+                if isinstance(out, torch.Tensor):
+                    raise
+                raise LossFunctionError(_loss_hint(loss_fn, out, err)) from err
         else:
             loss = getattr(out, "loss", out)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -121,3 +345,19 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
         return loss * weights[i]
 
     return loss_of
+
+
+def _loss_hint(loss_fn: Any, out: Any, err: BaseException) -> str:
+    tensors = [key_path for key_path, leaf in _leaves_with_paths(out) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    pick = "out" + "".join(_accessor(tensors[0])) if tensors else "out[...]"
+    if isinstance(loss_fn, nn.Module):
+        name, fix = type(loss_fn).__name__, f"ce = {type(loss_fn).__name__}(); loss_fn=lambda out, t: ce({pick}, t)"
+    else:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        call = name if name.isidentifier() else "loss"
+        fix = f"loss_fn=lambda out, t: {call}({pick}, t)"
+    cause = str(err).strip().splitlines()
+    return (
+        f"loss_fn ({name}) got the model's output, a {describe(out)}, and failed "
+        f"({type(err).__name__}: {cause[0] if cause else ''}); give it the part it scores, e.g. {fix}"
+    )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.devices import normalize_device
+from fxpipe.microbatch import MERGE_MODES
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
 FRONTENDS = ("auto", "fx", "export")
@@ -53,6 +54,10 @@ class Plan:
     frontend: "auto" (torch.fx, falling back to torch.export), "fx" or "export".
     leaf_modules: module classes or qualified names the fx tracer keeps as single calls.
     concrete_args: forward arguments fixed while tracing with fx (torch.fx semantics).
+    output_merge: how to merge each tensor output whose dim 0 is not the batch (a 0-d
+        auxiliary loss, per-layer statistics) over the micro-batches, by its path in the
+        model's return value ("1", "aux", "0.aux"): "cat", "stack", "sum", or "mean"
+        (weighted by micro-batch size, so a mean-reduced loss equals its full-batch value).
     """
 
     devices: Sequence[str] | None = None
@@ -67,6 +72,7 @@ class Plan:
     frontend: str = "auto"
     leaf_modules: Sequence[Any] = ()
     concrete_args: Mapping[str, Any] | None = None
+    output_merge: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -98,6 +104,13 @@ class Plan:
         for key, spec in self.device_specs.items():
             if not isinstance(spec, DeviceSpec):
                 raise PlanError(f"plan.device_specs[{key!r}] must be an fxpipe.DeviceSpec, got {type(spec).__name__}")
+        self.output_merge = dict(self.output_merge)
+        for path, mode in self.output_merge.items():
+            if not isinstance(path, str) or mode not in MERGE_MODES:
+                raise PlanError(
+                    f"plan.output_merge[{path!r}] = {mode!r}: map output paths (strings such as '1' or 'aux') "
+                    f"to one of {', '.join(MERGE_MODES)}"
+                )
 
     @classmethod
     def coerce(cls, plan: Plan | Mapping[str, Any] | None) -> Plan:

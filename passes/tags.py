@@ -19,6 +19,14 @@ from torch.fx import traceback as fx_traceback
 _state = threading.local()
 
 
+class TagError(ValueError):
+    """A ``device_guard`` in the model's own ``forward`` is wrong (an unknown device).
+
+    Every frontend would stop at the same line, so the trace pass re-raises it unchanged
+    instead of trying the next frontend and wrapping it in a TraceError.
+    """
+
+
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Mark the current thread as tracing for fxpipe (guards record tags inside)."""

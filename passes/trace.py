@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.mode import bind_mode
-from fxpipe.passes.tags import tracing
+from fxpipe.passes.tags import TagError, tracing
 from torch import nn
 from torch.fx import _pytree as fx_pytree
 
@@ -149,12 +149,16 @@ def trace(
     if frontend in ("auto", "fx"):
         try:
             return _trace_fx(model, leaf_modules, concrete_args)
+        except TagError:
+            raise
         except Exception as err:  # noqa: BLE001 - any failure means: try the next frontend
             if frontend == "fx":
                 raise TraceError(_failure_message(model, [("torch.fx", err)], fx_only=True)) from err
             failures.append(("torch.fx", err))
     try:
         traced = _trace_export(model, tuple(example_inputs), kwargs)
+    except TagError:
+        raise
     except Exception as err:  # noqa: BLE001
         failures.append(("torch.export", err))
         raise TraceError(_failure_message(model, failures)) from err

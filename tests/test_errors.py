@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import re
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.distributed import MaterializeError, launch
+from fxpipe.distributed.materialize import materialize
 
 
 def mlp() -> nn.Sequential:
@@ -152,3 +159,124 @@ def test_step_without_loss_explains() -> None:
 def test_missing_example_inputs_are_asked_for() -> None:
     with pytest.raises(fxpipe.CompileError, match="example_inputs=.*shaped like a training batch"):
         fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]))
+
+
+# ------------------------------------------- bad inputs at the call (issue 14, item 5)
+X16 = torch.randn(16, 4)
+
+
+def two_stage_pipe(model: nn.Module | None = None, loss_fn=None) -> fxpipe.Pipeline:
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=4)
+    return fxpipe.compile(model or mlp(), plan, example_inputs=(X16,), loss_fn=loss_fn or nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("samples", [4, 12])
+def test_a_target_of_another_batch_size_names_both_sizes(samples: int) -> None:
+    pipe = two_stage_pipe()
+    with pytest.raises(fxpipe.MicrobatchError, match=rf"target has {samples} samples .* the inputs have 16: pass one target row per input sample"):
+        pipe.step(X16, target=torch.zeros(samples, dtype=torch.long))
+
+
+class LogitsAndAux(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        return y, y.pow(2).mean()
+
+
+def test_a_tuple_output_given_to_a_tensor_loss_says_what_to_pass() -> None:
+    ce = nn.CrossEntropyLoss()
+    pipe = fxpipe.compile(LogitsAndAux(), {"microbatches": 2}, example_inputs=(X16,), loss_fn=ce)
+    t = torch.randint(0, 2, (16,))
+    with pytest.raises(fxpipe.PipelineError, match=r"tuple \(Tensor\[8, 2\], Tensor\[\]\).*loss_fn=lambda out, t: ce\(out\[0\], t\)"):
+        pipe.step(X16, target=t)
+    # the fix the message gives works, and equals eager
+    model = LogitsAndAux()
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, {"microbatches": 2}, example_inputs=(X16,), loss_fn=lambda out, t: ce(out[0], t))
+    torch.testing.assert_close(pipe.step(X16, target=t), ce(ref(X16)[0], t))
+
+
+class BadGuard(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fxpipe.device_guard("tpu:0"):  # the line the error must name
+            return self.lin(x)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "export"])
+def test_an_unknown_device_in_device_guard_is_reported_at_the_users_line(frontend: str) -> None:
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "device_guard(\"tpu:0\")" in text)
+    with pytest.raises(fxpipe.DeviceError, match=rf"device_guard\('tpu:0'\) at .*test_errors.py:{line} in forward\(\): unknown device 'tpu:0'; use 'cpu'") as info:
+        fxpipe.compile(BadGuard(), {"frontend": frontend}, example_inputs=(X16,))
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert (frames[-2].name, frames[-2].lineno) == ("forward", line)  # the raise is device_guard's own line
+    with pytest.raises(fxpipe.DeviceError, match=rf"test_errors.py:{line} in forward"):
+        BadGuard()(X16)  # eagerly too
+
+
+def test_weights_given_to_a_single_process_compile_are_refused() -> None:
+    with pytest.raises(MaterializeError, match="this compile runs in one process.*model.load_state_dict"):
+        fxpipe.compile(mlp(), {}, example_inputs=(X16,), weights=mlp().state_dict())
+
+
+def malformed_checkpoints(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    from safetensors.torch import save_file
+
+    state = mlp().state_dict()
+    good_pt, good_st = tmp_path / "good.pt", tmp_path / "good.safetensors"
+    torch.save(state, good_pt)
+    save_file(state, good_st)
+    cases = {
+        "garbage.pt": (b"not a checkpoint", "not a zip archive"),
+        "truncated.pt": (good_pt.read_bytes()[:200], "not a zip archive"),
+        "truncated.safetensors": (good_st.read_bytes()[:-10], "not a readable .safetensors file .*incomplete metadata"),
+        "garbage.safetensors": (b"\x10" + bytes(7) + b"{not json}", "not a readable .safetensors file"),
+    }
+    out = {}
+    for name, (data, problem) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        out[name] = (tmp_path / name, problem)
+    torch.save({"model": state, "step": 3}, tmp_path / "training.pt")
+    out["training.pt"] = (tmp_path / "training.pt", r"'model' \(OrderedDict\), 'step' \(int\).*weights=torch.load\(path\)\['model'\]")
+    torch.save(list(state.values()), tmp_path / "list.pt")
+    out["list.pt"] = (tmp_path / "list.pt", "holds a list, not a state dict")
+    torch.save(mlp(), tmp_path / "module.pt")
+    out["module.pt"] = (tmp_path / "module.pt", r"Python objects besides tensors \(a torch.nn.modules.container.Sequential\)")
+    out["missing.pt"] = (tmp_path / "missing.pt", "no such file")
+    return out
+
+
+def test_a_malformed_checkpoint_names_the_file_and_what_is_wrong(tmp_path: Path) -> None:
+    stage = fxpipe.partition(mlp(), {}, example_inputs=(X16,)).stages[0].module
+    for path, problem in malformed_checkpoints(tmp_path).values():
+        with pytest.raises(MaterializeError, match=rf"weights='{re.escape(str(path))}'.*{problem}"):
+            materialize({0: stage}, torch.device("cpu"), str(path), {})
+    with pytest.raises(MaterializeError, match=r"weights\['0.weight'\] is a str, not a tensor"):
+        materialize({0: stage}, torch.device("cpu"), {"0.weight": "oops"}, {})
+
+
+def compile_from(path: str) -> str:
+    x = torch.randn(8, 4)
+    try:
+        fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], timeout=30), example_inputs=(x,), weights=path)
+    except MaterializeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(150)
+def test_a_malformed_checkpoint_in_a_distributed_compile_names_the_file_on_every_rank(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), path)
+    path.write_bytes(path.read_bytes()[:-10])
+    for message in launch(compile_from, 2, (str(path),), timeout=120):
+        assert f"weights='{path}' is not a readable .safetensors file" in message, message

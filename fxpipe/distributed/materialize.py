@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
+import re
+import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,16 +37,87 @@ class MaterializeError(ValueError):
     """A stage's parameters cannot be filled as asked; the message names them."""
 
 
+def check_weights_apply(weights: Weights, distributed: bool) -> None:
+    """Raise MaterializeError when ``weights`` is given to a compile that runs in one process.
+
+    ``weights=`` fills each rank's own stages; in one process the pipeline takes the
+    model's own tensors, so the weights would be silently ignored. Loading them into the
+    model first says the same thing once, in the user's code.
+    """
+    if weights is None or distributed:
+        return
+    raise MaterializeError(
+        "weights= fills each process's own stages when the model is compiled distributed (torchrun, "
+        "python -m fxpipe.distributed, fxpipe.distributed.launch); this compile runs in one process and "
+        "uses the model's own tensors. Load the weights into the model before compiling: "
+        "model.load_state_dict(torch.load(path)) (assign=True for a model built on the meta device), "
+        "or call pipe.load_state_dict(...) afterwards"
+    )
+
+
 def open_weights(weights: Weights) -> Mapping[str, torch.Tensor] | Callable[[nn.Module], None] | None:
-    """A lazily read mapping for a checkpoint path; mappings, callables and None as they are."""
+    """A lazily read mapping for a checkpoint path; mappings, callables and None as they are.
+
+    Raises MaterializeError naming the file when it is missing, is not a readable
+    ``.safetensors`` or ``torch.save`` checkpoint, or holds something other than a state
+    dict (names to tensors).
+    """
     if weights is None or callable(weights) or isinstance(weights, Mapping):
         return weights
     path = os.fspath(weights)
+    if not os.path.isfile(path):
+        raise MaterializeError(f"weights={path!r}: no such file")
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
-        return _SafetensorsMapping(safe_open(path, framework="pt", device="cpu"))
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            return _SafetensorsMapping(safe_open(path, framework="pt", device="cpu"))
+        except Exception as err:  # noqa: BLE001 - safetensors' own error type: name the file
+            raise MaterializeError(
+                f"weights={path!r} is not a readable .safetensors file ({_first_line(err)}); it may be "
+                "truncated: write it again with safetensors.torch.save_file(model.state_dict(), path)"
+            ) from err
+    if not zipfile.is_zipfile(path):
+        raise MaterializeError(
+            f"weights={path!r} is not a torch.save checkpoint: not a zip archive (truncated, another "
+            "format, or torch.save's pre-1.6 format); write it with torch.save(model.state_dict(), path)"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f" (a {found.group(1)})" if found else ""
+        raise MaterializeError(
+            f"weights={path!r} holds Python objects besides tensors{what}, which fxpipe does not unpickle "
+            "(torch.load(weights_only=True)); save model.state_dict() instead"
+        ) from err
+    except Exception as err:  # noqa: BLE001 - a damaged archive: name the file
+        raise MaterializeError(f"weights={path!r} could not be read as a torch.save checkpoint ({_first_line(err)})") from err
+    _check_state_dict(path, state)
+    return state
+
+
+def _check_state_dict(path: str, state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise MaterializeError(
+            f"weights={path!r} holds a {type(state).__name__}, not a state dict (names to tensors); "
+            "write it with torch.save(model.state_dict(), path)"
+        )
+    others = {k: type(v).__name__ for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    if others:
+        listed = ", ".join(f"{k!r} ({t})" for k, t in list(others.items())[:5])
+        nested = [k for k, v in state.items() if isinstance(v, Mapping)]
+        hint = (
+            f"; a training checkpoint? pass its state dict: weights=torch.load(path)[{nested[0]!r}], or save that entry alone"
+            if nested
+            else "; save model.state_dict() instead"
+        )
+        raise MaterializeError(f"weights={path!r} holds entries that are not tensors: {listed}{hint}")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 class _SafetensorsMapping(Mapping):
@@ -126,6 +200,8 @@ def _load(copies: dict[int, nn.Module], state: Mapping[str, torch.Tensor], alias
                         missing.append(f"{name} (stage {s})")
                     continue
                 value = state[key]
+                if not isinstance(value, torch.Tensor):
+                    raise MaterializeError(f"weights[{key!r}] is a {type(value).__name__}, not a tensor")
                 if tuple(value.shape) != tuple(tensor.shape):
                     raise MaterializeError(f"weights[{key!r}] has shape {tuple(value.shape)}, stage {s} expects {tuple(tensor.shape)}")
                 tensor.copy_(value)

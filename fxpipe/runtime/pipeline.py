@@ -137,13 +137,13 @@ class PipelineBase(PipelineViews):
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism)."""
-        values = (self.part.bind_inputs(args, kwargs), target)
-        total = microbatch.batch_size(values) or 1
+        flat = self.part.bind_inputs(args, kwargs)
+        total = microbatch.batch_size((flat, target)) or 1
         if self.replicas > 1:
-            shards, _ = microbatch.split(values, self.replicas)
-            values = shards[self.replica]
-        pieces, sizes = microbatch.split(values, self.plan.microbatches)
-        return Batch([p[0] for p in pieces], [p[1] for p in pieces], sizes, total, self.replica * len(pieces), values[0])
+            shards, targets, _ = microbatch.split_step(flat, target, self.replicas)
+            flat, target = shards[self.replica], targets[self.replica]
+        inputs, targets, sizes = microbatch.split_step(flat, target, self.plan.microbatches)
+        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
