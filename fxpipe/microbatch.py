@@ -199,10 +199,19 @@ def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, si
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    from fxpipe.placement import skeleton
+
+    model = skeleton(model)  # forward may cache values in attributes: never in the caller's module
     mode = FakeTensorMode()
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    on_meta = any(t.is_meta for t in state.values())
-    fake_state = {name: mode.from_tensor(t) for name, t in state.items()}
+    # a skeleton (fxpipe.placement.skeleton) knows where its meta tensors really live
+    devices = getattr(model, "fxpipe_devices", {})
+    on_meta = any(torch.device(devices.get(name, t.device)).type == "meta" for name, t in state.items())
+    with mode:
+        fake_state = {
+            name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=devices.get(name, t.device))
+            for name, t in state.items()
+        }
 
     def fake(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
@@ -220,6 +229,13 @@ def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, si
         for key_path, leaf in _leaves_with_paths(out)
         if isinstance(leaf, torch.Tensor)
     }
+
+
+def structure(values: Any) -> tuple:
+    """What the batch dimension of outputs can depend on, without the sizes themselves:
+    the pytree structure, each tensor's rank and dtype, and the other values as they are."""
+    leaves, spec = pytree.tree_flatten(values)
+    return (str(spec), tuple((t.dim(), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
 
 
 def check_output_merge(output_merge: Mapping[str, str], batched: Mapping[str, bool]) -> None:

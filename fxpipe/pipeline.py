@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe import microbatch
 from fxpipe.devices import torch_device
 from fxpipe.partitioned import Partitioned
 from fxpipe.placement import place
@@ -34,7 +33,7 @@ class Pipeline(PipelineBase):
         self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
         # from here on the partition describes the placed stages: nothing in the pipeline
         # refers to the user's modules, which can be freed
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model.training)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
         runners = [
@@ -51,7 +50,7 @@ class Pipeline(PipelineBase):
             self._placement.reduce_replica_grads()
 
     def _output(self, batch: Batch, ctx: StepContext) -> Any:
-        return self.part.build_output(microbatch.merge([ctx.outputs[i] for i in range(len(batch.inputs))]))
+        return self._merged(batch, [ctx.outputs[i] for i in range(len(batch.inputs))])
 
     def _step_loss(self, ctx: StepContext) -> torch.Tensor:
         last_device = self._executor.runners[-1].device

@@ -15,6 +15,7 @@ import copy
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -114,3 +115,21 @@ def model_names(model: nn.Module, held: dict[str, list[torch.Tensor]], aliases: 
         if canonical in held:
             state[key] = held[canonical][0]
     return params, state
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device: its
+    code and structure without the memory (for fake runs and re-tracing).
+
+    The copy's ``fxpipe_devices`` maps each parameter and buffer name to the device the
+    original tensor is on, so a fake run can put its fake tensors where the real ones are
+    (a forward that creates a tensor on the default device then meets them there)."""
+    memo: dict[int, Any] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    copy_ = copy.deepcopy(module, memo)
+    known = getattr(module, "fxpipe_devices", {})  # a skeleton of a skeleton keeps the real devices
+    devices = {name: known.get(name, t.device) for name, t in _named_tensors(module)}
+    object.__setattr__(copy_, "fxpipe_devices", devices)
+    return copy_

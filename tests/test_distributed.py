@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import torchvision
-from test_runtime import Blocks
+from test_runtime import Blocks, WithAux
 from test_tags_and_edges import Encoder, SkipOverStage, StructuredValues
 from torch import nn
 
@@ -33,7 +33,8 @@ from fxpipe.distributed.comm import (
     messages_for,
     nccl_plans,
 )
-from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, skeleton
+from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs
+from fxpipe.placement import skeleton
 from fxpipe.schedules import make_schedule
 
 CE = nn.CrossEntropyLoss()
@@ -153,6 +154,12 @@ def two_rank_cases() -> dict:
         ref, eager_loss = eager_reference(blocks, (xb,), tb, 4)
         loss = pipe.step(xb, target=tb)
     out["autocast"] = {**compare(pipe, ref, eager_loss, loss), "dtype": str(loss.dtype)}
+
+    # an unbatched output (a 0-d aux loss) merged on the last rank as the plan says
+    aux_model, xa = WithAux().double(), torch.randn(10, 16, dtype=torch.float64)
+    pipe = fxpipe.compile(aux_model, dict(devices=["cpu:0", "cpu:1"], split=["b"], microbatches=4, output_merge={"aux": "mean"}), example_inputs=(xa,))
+    got = pipe(xa)
+    out["aux"] = None if got is None else float((got["aux"] - aux_model(xa)["aux"]).abs())
     return out
 
 
@@ -261,6 +268,7 @@ def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ra
     for r in ranks:
         assert r["float64"]["dtype"] == "torch.float64" and r["float64"]["loss_err"] < 1e-12, r["float64"]
         assert r["autocast"]["loss_err"] < 1e-2 and r["autocast"]["grad_err"] < 5e-2, r["autocast"]
+    assert first["aux"] is None and second["aux"] < 1e-14
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)

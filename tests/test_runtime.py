@@ -196,3 +196,28 @@ def test_the_callers_autocast_reaches_every_stage(schedule: str) -> None:
     eager_microbatch_step(fp32, (x,), t, CE, 4)
     got, bf16_ref, fp32_ref = dict(pipe.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad, dict(fp32.named_parameters())[name].grad
     assert (got - bf16_ref).norm() < 0.1 * (bf16_ref - fp32_ref).norm()
+
+
+class WithAux(nn.Module):
+    """Logits and a mean-reduced auxiliary loss (a 0-d output that is not batched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return {"logits": self.b(h), "aux": h.pow(2).mean()}
+
+
+def test_unbatched_outputs_are_merged_as_the_plan_says_or_named() -> None:
+    model, x = WithAux().double(), torch.randn(10, 16, dtype=torch.float64)
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["b"], microbatches=4)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    with pytest.raises(fxpipe.MicrobatchError, match=r"aux.*output_merge"):
+        pipe(x)
+    pipe = fxpipe.compile(model, {**plan, "output_merge": {"aux": "mean"}}, example_inputs=(x,))
+    out, expected = pipe(x), model(x)
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out["aux"], expected["aux"], rtol=1e-12, atol=1e-12)  # 10 -> 3,3,2,2, weighted

@@ -30,6 +30,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fxpipe.distributed.signing import publish_first, read_verified
+
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
 _GRACE = 1.0  # seconds to wait for a failing peer's own report before blaming the link
 _BEAT = 0.5  # seconds between a rank's published states
@@ -159,17 +161,19 @@ class Watchdog:
         """Record a failure (unless one already is) and return the error for the first one."""
         self._doing = ("failed", message[:200], (), time.monotonic())
         try:
-            self.store.compare_set(self.key, "", _encode(message, rank, stage))
+            data = json.loads(publish_first(self.store, self.key, _encode(message, rank, stage)))
         except Exception:  # noqa: BLE001 - the store itself may be gone: keep our own report
             return RankFailedError(message, rank, stage)
-        return self.recorded() or RankFailedError(message, rank, stage)
+        return RankFailedError(data["message"], data["rank"], data["stage"])
 
     def recorded(self) -> RankFailedError | None:
-        """The failure another rank recorded, if any."""
+        """The failure a rank of this job recorded, if any (signed records only, when the
+        launcher gave the job a secret: a record forged by another process is ignored)."""
         try:
-            if not self.store.check([self.key]):
+            payload = read_verified(self.store, self.key)
+            if payload is None:
                 return None
-            data = json.loads(self.store.get(self.key))
+            data = json.loads(payload)
         except Exception as err:  # noqa: BLE001 - an unreachable store means its host died
             return RankFailedError(f"the rendezvous store is unreachable ({err}); its host process died", None, None)
         return RankFailedError(data["message"], data["rank"], data["stage"])

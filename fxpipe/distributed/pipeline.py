@@ -26,9 +26,9 @@ from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
-from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature, skeleton
+from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature
 from fxpipe.partitioned import Partitioned
-from fxpipe.placement import alias_groups, held_tensors, model_names
+from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
@@ -81,7 +81,7 @@ class DistributedPipeline(PipelineBase):
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model.training)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
         self._modules = [modules[s] for s in self.local_stages]
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
@@ -196,7 +196,7 @@ class DistributedPipeline(PipelineBase):
         the batch under data parallelism), None elsewhere."""
         if not self.is_last:
             return None
-        return self.part.build_output(microbatch.merge([ctx.outputs[i] for i in range(len(batch.inputs))]))
+        return self._merged(batch, [ctx.outputs[i] for i in range(len(batch.inputs))])
 
     def _step_loss(self, ctx: StepContext) -> torch.Tensor:
         """The full-batch loss on every rank, in the loss's own dtype: the ranks holding the

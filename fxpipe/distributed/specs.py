@@ -14,7 +14,6 @@ last batch of an epoch costs one fake run, never a runtime shape exchange.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -75,14 +74,6 @@ def signature(value: Any) -> tuple:
             parts.append(("C", repr(leaf)))
     return (str(spec), tuple(parts))
 
-
-def skeleton(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device."""
-    memo: dict[int, Any] = {}
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
 
 
 def value_spec(value: Any) -> ValueSpec:

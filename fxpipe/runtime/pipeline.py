@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe import microbatch
+from fxpipe.placement import skeleton
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.schedules import Schedule, forward_only, make_schedule
@@ -38,6 +39,7 @@ class Batch:
     total: int
     first: int = 0
     whole: Any = None  # the flat inputs before the cut
+    call: tuple[tuple, dict] = ((), {})  # the call's own arguments
 
     def input_gradient_leaves(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
         """Give every micro-batch piece of an input that requires grad its own autograd leaf.
@@ -117,12 +119,16 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, training: bool) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module) -> None:
         self.part = part
         self.plan = part.plan
         self.loss_fn = loss_fn
         self.frontend = part.frontend
-        self.training = training
+        self.training = model.training
+        # the model's code and structure without its memory (nor a reference to it): which
+        # outputs follow the batch is asked of it on fake tensors
+        self._model = skeleton(model)
+        self._batched: dict[tuple, dict[str, bool]] = {}
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._last_events: list = []
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
@@ -143,7 +149,7 @@ class PipelineBase(PipelineViews):
             shards, targets, _ = microbatch.split_step(flat, target, self.replicas)
             flat, target = shards[self.replica], targets[self.replica]
         inputs, targets, sizes = microbatch.split_step(flat, target, self.plan.microbatches)
-        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat)
+        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat, (args, kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
@@ -179,6 +185,20 @@ class PipelineBase(PipelineViews):
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
         return self._step_loss(ctx)
+
+    def _merged(self, batch: Batch, outputs: list[Any]) -> Any:
+        """The model's output for the whole batch from the last stage's per micro-batch:
+        batched tensors concatenated, the others merged as ``Plan.output_merge`` says
+        (which outputs are batched is decided once per input structure, on fake tensors)."""
+        values = [self.part.build_output(out) for out in outputs]
+        if len(values) == 1 and not self.plan.output_merge:
+            return values[0]
+        key = microbatch.structure(batch.whole)
+        if key not in self._batched:
+            args, kwargs = batch.call
+            self._batched[key] = microbatch.batched_outputs(self._model, args, kwargs)
+            microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
+        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge)
 
     def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
         return microbatch.weighted_loss(loss_fn, self.part.build_output, batch.targets, weights)
@@ -228,6 +248,7 @@ class PipelineBase(PipelineViews):
     def train(self, mode: bool = True) -> PipelineBase:
         """Set train/eval mode on every stage, as ``model.train(mode)`` does eagerly."""
         self.training = mode
+        self._model.train(mode)
         for module in self._modules:
             module.train(mode)
         return self
