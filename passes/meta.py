@@ -20,6 +20,11 @@ COST = "cost"  # passes.cost.NodeCost
 MEASURED = "measured_time"  # a measured (forward, backward) time from fxpipe.profile
 # written by the partition pass on send/recv nodes
 EDGE = "edge"  # passes.partition.Edge
+# written by the rng pass (number_random_ops) on the whole graph, before partitioning
+RNG_KEY = "rng_key"  # int: the random node's position among the graph's random nodes
+
+# the placeholder a stage with random nodes takes last: the seed of one (step, micro-batch)
+RNG_SEED = "fxpipe_rng_seed"
 
 # the node kinds that compute (placeholders, get_attr and output do not)
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
