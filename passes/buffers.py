@@ -6,7 +6,7 @@ snapshots exactly the buffers :func:`buffers_written` names before the recompute
 restores them after, so they are updated once per micro-batch, as in eager.
 
 A buffer counts as written when:
-- a call_module (or its ``keyed.call`` rewrite) runs a module that updates it: a norm
+- a call_module (or its ``scope.call`` rewrite) runs a module that updates it: a norm
   layer tracking running statistics, or any buffer of a class from outside torch, whose
   forward fxpipe cannot see;
 - an op writes it or a view of it: an in-place method or function (``add_``,
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from fxpipe.passes import keyed
+from fxpipe.passes import scope
 from fxpipe.passes.ops import aliases_self, overloads_of, writes_self
 from torch import nn
 
@@ -70,7 +70,7 @@ def _called_module(node: fx.Node, root: nn.Module) -> tuple[str, nn.Module, tupl
     """(qualified name, module, data arguments) of a call_module or its keyed rewrite."""
     if node.op == "call_module":
         return str(node.target), root.get_submodule(str(node.target)), node.args
-    if node.op == "call_function" and node.target is keyed.call and node.args[0].op == "get_attr":
+    if node.op == "call_function" and node.target is scope.call and node.args[0].op == "get_attr":
         path = str(node.args[0].target)
         return path, root.get_submodule(path), node.args[3:]
     return None

@@ -20,25 +20,17 @@ What the rewritten graph calls:
   :func:`attention` in place of the dropout family and ``scaled_dot_product_attention``,
   which take no generator; each computes what the torch op computes, with the same
   kernels (on CPU, bitwise what torch's dropout gives from the same generator state);
-- :func:`call` for a module whose randomness is out of sight (``nn.MultiheadAttention``,
-  ``nn.TransformerEncoderLayer``, a user leaf module) and :func:`scoped` for such a
-  function: they run it under a :class:`KeyedScope`, which routes every random aten op
-  inside to the node's generator.
+- for a callee whose randomness is out of sight, ``passes/scope.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
@@ -57,7 +49,8 @@ def mix(seed: int, value: int) -> int:
     """A 64-bit seed for ``value`` within the stream ``seed`` (both any Python ints).
 
     splitmix64 style: the finalised seed advanced by ``value + 1`` golden-ratio steps,
-    finalised again. Returns an int in [0, 2**64); distinct pairs give unrelated seeds.
+    finalised again. Returns an int in [0, 2**64). For one ``seed`` distinct values (mod
+    2**64) give distinct results; across seeds results collide as rarely as random ones.
     """
     state = (_finalize(seed & _MASK64) + ((value & _MASK64) + 1) * _GOLDEN) & _MASK64
     return _finalize(state)
@@ -92,20 +85,25 @@ def _seeded(seed: int, device: torch.device) -> torch.Generator | None:
     return gen.manual_seed(seed)
 
 
-def generator(seed: int, key: int, where: Any = None, draw: int = 0) -> torch.Generator | None:
-    """This thread's generator for ``where``'s device, seeded for draw ``draw`` of node ``key``.
-
-    ``where``: a tensor (its device), a device, or None (the default device). The
-    generator is re-seeded by the next call on this thread and device, so use it at once.
-    Returns None on the meta device. Raises TypeError when ``seed`` is not an int (the
-    stage was called without its ``fxpipe_rng_seed`` argument).
-    """
+def check_seed(seed: Any) -> int:
+    """``seed`` itself; raises TypeError when it is not an int (the stage was called
+    without its ``fxpipe_rng_seed`` argument)."""
     if not isinstance(seed, int):
         raise TypeError(
             f"fxpipe_rng_seed must be an int, got {type(seed).__name__}: this stage draws random "
             "numbers, so its last argument is the seed of the (step, micro-batch) it runs"
         )
-    return _seeded(draw_seed(seed, key, draw), _device_of(where))
+    return seed
+
+
+def generator(seed: int, key: int, where: Any = None, draw: int = 0) -> torch.Generator | None:
+    """This thread's generator for ``where``'s device, seeded for draw ``draw`` of node ``key``.
+
+    ``where``: a tensor (its device), a device, or None (the default device). The
+    generator is re-seeded by the next call on this thread and device, so use it at once.
+    Returns None on the meta device. Raises TypeError when ``seed`` is not an int.
+    """
+    return _seeded(draw_seed(check_seed(seed), key, draw), _device_of(where))
 
 
 # ------------------------------------------------------------------ the dropout family
@@ -207,17 +205,6 @@ def native_dropout(input: torch.Tensor, p: float, train: bool | None, *, generat
     return out, mask.bool()
 
 
-# the torch.nn.functional dropouts each dropout module calls, and whether it passes inplace
-MODULE_DROPOUTS: dict[type, tuple[Callable[..., torch.Tensor], bool]] = {
-    nn.Dropout: (dropout, True),
-    nn.Dropout1d: (dropout1d, True),
-    nn.Dropout2d: (dropout2d, True),
-    nn.Dropout3d: (dropout3d, True),
-    nn.AlphaDropout: (alpha_dropout, False),
-    nn.FeatureAlphaDropout: (feature_alpha_dropout, False),
-}
-
-
 # ------------------------------------------------------------------ attention
 def attention(
     query: torch.Tensor,
@@ -259,114 +246,3 @@ def attention(
     weights = aten._safe_softmax.default(scores, -1)
     weights = aten_dropout(weights, dropout_p, True, generator=generator)
     return weights @ value
-
-
-# ------------------------------------------------------------------ opaque callees
-@functools.cache
-def generator_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """``op`` itself if it takes ``generator=``, else its overload that does and otherwise
-    takes the same arguments (``aten.rand.default`` -> ``aten.rand.generator``), else None."""
-    names = [a.name for a in op._schema.arguments]
-    if "generator" in names:
-        return op
-    packet = op.overloadpacket
-    for overload in packet.overloads():
-        candidate = getattr(packet, overload)
-        other = [a.name for a in candidate._schema.arguments]
-        if "generator" in other and [n for n in other if n != "generator"] == names and len(candidate._schema.returns) == len(op._schema.returns):
-            if not any(a.is_out for a in candidate._schema.arguments):
-                return candidate
-    return None
-
-
-def draws_random(op: torch._ops.OpOverload) -> bool:
-    """Whether an operator draws random numbers (tagged so by torch, or takes a generator)."""
-    return torch.Tag.nondeterministic_seeded in op.tags or any(a.name == "generator" for a in op._schema.arguments)
-
-
-class KeyedScope(TorchDispatchMode):
-    """Routes every random aten op run inside to a generator keyed by (seed, key, n-th draw).
-
-    A dispatch mode sees the aten ops that a module's Python and C++ code reach, so random
-    ops are caught wherever they are written. Ops that take a generator get one;
-    ``native_dropout`` (the fused dropout torch uses on accelerators) is replaced by
-    :func:`native_dropout`; any other random op draws from torch's global generator and
-    is reported once, naming ``label``, because its result cannot be reproduced.
-    """
-
-    def __init__(self, seed: int, key: int, label: str) -> None:
-        super().__init__()
-        self.seed, self.key, self.label = seed, key, label
-        self.draws = 0
-
-    def _next(self, where: Any) -> torch.Generator | None:
-        gen = generator(self.seed, self.key, where, self.draws)
-        self.draws += 1
-        return gen
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if not isinstance(func, torch._ops.OpOverload) or not draws_random(func) or kwargs.get("generator") is not None:
-            return func(*args, **kwargs)
-        if func is aten.native_dropout.default:
-            return native_dropout(*args, **kwargs, generator=self._next(args[0]))
-        keyed = generator_overload(func)
-        if keyed is None:
-            _warn_unkeyed(func, self.label)
-            return func(*args, **kwargs)
-        return keyed(*args, **kwargs, generator=self._next(_where(args, kwargs)))
-
-
-def _where(args: tuple, kwargs: dict) -> Any:
-    """What decides an op's device: its first tensor argument, else its ``device=``."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg
-    return kwargs.get("device")
-
-
-@functools.cache
-def _warn_unkeyed(op: Any, label: str) -> None:
-    warnings.warn(
-        f"fxpipe: {op} inside {label} draws from torch's global generator (it takes no generator "
-        "argument), so its result is not reproducible and checkpoint recompute draws it anew; "
-        "trace with Plan(frontend='export') to let fxpipe see the op, or avoid it in training",
-        stacklevel=2,
-    )
-
-
-def call(module: nn.Module, seed: int, key: int, /, *args: Any, **kwargs: Any) -> Any:
-    """``module(*args, **kwargs)`` with every random draw inside keyed by (seed, key, n).
-
-    A plain dropout module (exactly ``nn.Dropout``, ``nn.Dropout2d``, ...) is run directly
-    with its keyed functional; the masks are the ones the scope would give it.
-    """
-    direct = MODULE_DROPOUTS.get(type(module))
-    if direct is not None:
-        fn, passes_inplace = direct
-        (x,) = args
-        gen = generator(seed, key, x)
-        return fn(x, module.p, module.training, module.inplace if passes_inplace else False, generator=gen)
-    if not isinstance(seed, int):
-        generator(seed, key)  # raises the TypeError that names the missing seed
-    with KeyedScope(seed, key, type(module).__name__):
-        return module(*args, **kwargs)
-
-
-@functools.cache
-def scoped(fn: Callable) -> Callable:
-    """``fn`` run under a :class:`KeyedScope`: ``scoped(fn)(seed, key, *args, **kwargs)``.
-
-    One wrapper per function (cached), named after it, so the stage's code reads
-    ``keyed_gumbel_softmax(fxpipe_rng_seed, 4, x, tau=0.5)``.
-    """
-    label = getattr(fn, "__name__", None) or str(fn)
-
-    def keyed_call(seed: int, key: int, /, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(seed, int):
-            generator(seed, key)  # raises the TypeError that names the missing seed
-        with KeyedScope(seed, key, label):
-            return fn(*args, **kwargs)
-
-    keyed_call.__name__ = keyed_call.__qualname__ = "keyed_" + "".join(c if c.isalnum() else "_" for c in label)
-    return keyed_call

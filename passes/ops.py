@@ -63,3 +63,28 @@ def aliases_self(op: torch._ops.OpOverload) -> bool:
     if not args or not returns or args[0].alias_info is None or returns[0].alias_info is None:
         return False
     return bool(set(args[0].alias_info.before_set) & set(returns[0].alias_info.before_set))
+
+
+@functools.cache
+def generator_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``op`` itself if it takes ``generator=``, else its overload that does and otherwise
+    takes the same arguments (``aten.rand.default`` -> ``aten.rand.generator``), else None."""
+    names = [a.name for a in op._schema.arguments]
+    if "generator" in names:
+        return op
+    packet = op.overloadpacket
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        other = [a.name for a in candidate._schema.arguments]
+        if "generator" in other and [n for n in other if n != "generator"] == names and len(candidate._schema.returns) == len(op._schema.returns):
+            if not any(a.is_out for a in candidate._schema.arguments):
+                return candidate
+    return None
+
+
+@functools.cache
+def draws_random(op: Any) -> bool:
+    """Whether an operator draws random numbers (tagged so by torch, or takes a generator)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded in op.tags or any(a.name == "generator" for a in op._schema.arguments)

@@ -17,8 +17,9 @@ recompute draws new masks. Instead, the compiler gives the randomness an explici
    - the dropout family and ``scaled_dot_product_attention``, which take no generator,
      become the keyed functions of ``passes/keyed.py`` with the same arguments;
    - an opaque callee (a call_module of ``nn.MultiheadAttention``, a user leaf module, a
-     Python function fx kept whole) runs under ``keyed.call`` / ``keyed.scoped``: a
-     dispatch mode routes the random ops inside, around that call only.
+     Python function fx kept whole) runs under ``scope.call`` / ``scope.scoped`` (see
+     ``passes/scope.py``): a dispatch mode routes the random ops inside, around that call
+     only.
 
 The runtime passes ``keyed.mix(step_seed, microbatch)`` as the seed, ``step_seed``
 drawn once per step from the caller's generator; see docs/randomness.md.
@@ -37,10 +38,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from fxpipe.passes import keyed
+from fxpipe.passes import keyed, scope
 from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED, VAL
 from fxpipe.passes.mode import TrainingFlag
-from fxpipe.passes.ops import overloads_of
+from fxpipe.passes.ops import draws_random, generator_overload, overloads_of
 from torch import nn
 
 aten = torch.ops.aten
@@ -52,8 +53,8 @@ class _Keying:
 
     how: "generator" (add ``generator=``; ``target`` is the overload that takes it, or
     None to keep the target), "replace" (call ``target``, a keyed function, with the same
-    arguments plus ``extra`` and ``generator=``), "module" (``keyed.call``), "scope"
-    (``keyed.scoped(target)``) or "unkeyable" (``reason`` says why).
+    arguments plus ``extra`` and ``generator=``), "module" (``scope.call``), "scope"
+    (``scope.scoped(target)``) or "unkeyable" (``reason`` says why and what to do).
     """
 
     how: str
@@ -102,19 +103,23 @@ _SCOPED_FUNCTIONS = {
 # ------------------------------------------------------------------ which nodes draw
 def _draws(ops: tuple[torch._ops.OpOverload, ...]) -> _Keying | None:
     """The keying of a call to one of ``ops`` (the overloads it may resolve to), or None."""
-    random = [op for op in ops if keyed.draws_random(op)]
+    random = [op for op in ops if draws_random(op)]
     if not random:
         return None
     if len(ops) == 1:
-        overload = keyed.generator_overload(ops[0])
+        overload = generator_overload(ops[0])
         if overload is not None:
             return _Keying("generator", overload if overload is not ops[0] else None)
-    elif any(keyed.generator_overload(op) is op for op in random):
+    elif any(generator_overload(op) is op for op in random):
         return _Keying("generator")  # the call picks the overload that takes generator=
     if all(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd") for op in random):
         return _Keying("scope")  # its decomposition's random ops are visible to a KeyedScope
     names = ", ".join(str(op) for op in random)
-    return _Keying("unkeyable", reason=f"{names} draws random numbers and takes no generator")
+    return _Keying(
+        "unkeyable",
+        reason=f"{names} draws random numbers and takes no generator (give the operator a "
+        "'Generator? generator=None' argument, or call it outside the pipelined model)",
+    )
 
 
 def _is_user_function(target: Any) -> bool:
@@ -177,7 +182,11 @@ def _keying(node: fx.Node, root: nn.Module | None) -> _Keying | None:
         return _draws(ops)
     if isinstance(target, torch._ops.HigherOrderOperator):
         if _subgraphs_draw(node, root):
-            return _Keying("unkeyable", reason=f"random ops inside {target.__name__} (a higher-order op) cannot be keyed")
+            return _Keying(
+                "unkeyable",
+                reason=f"random ops inside {target.__name__} (a higher-order op) cannot be keyed "
+                "(move them out of its branches or body)",
+            )
         return None
     if _takes_generator(target):
         return _Keying("generator")
@@ -212,9 +221,8 @@ def number_random_ops(graph: fx.Graph, root: nn.Module | None = None) -> int:
         if how.how == "unkeyable":
             where = node.meta.get(MODULE_PATH) or "the model's forward"
             warnings.warn(
-                f"fxpipe: node '{node.name}' in {where}: {how.reason}, so it draws from torch's global "
-                "generator: its result differs between runs, schedules and checkpoint recompute. "
-                "Give the op a generator argument, or call it outside the pipelined model",
+                f"fxpipe: node '{node.name}' in {where}: {how.reason}. It draws from torch's global "
+                "generator, so its result differs between runs, schedules and checkpoint recompute",
                 stacklevel=2,
             )
             continue
@@ -302,9 +310,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, how: _Keying, seed: fx.Node) -> Non
     elif how.how == "module":
         with graph.inserting_before(node):
             module = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
-        node.op, node.target = "call_function", keyed.call
+        node.op, node.target = "call_function", scope.call
         node.args = (module, seed, key, *node.args)
     else:  # scope
         fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
-        node.op, node.target = "call_function", keyed.scoped(fn)
+        node.op, node.target = "call_function", scope.scoped(fn)
         node.args = (seed, key, *node.args)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from fxpipe.passes import keyed
+from fxpipe.passes import keyed, scope
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED
 from fxpipe.passes.partition import partition as partition_pass
@@ -60,7 +60,7 @@ class SamplingNet(nn.Module):
         h = h + 0.1 * torch.randn_like(h)
         h = h * torch.bernoulli(torch.full_like(h, 0.8))
         h = self.l2(h)
-        h = h + torch.empty_like(h).uniform_(-0.1, 0.1)
+        h = h + torch.empty_like(h).uniform_(-0.1, 0.1) + 0.01 * nn.init.normal_(torch.empty_like(h))
         return self.l3(h * torch.rand_like(h))
 
 
@@ -407,12 +407,19 @@ def test_dropout_module_fast_path_equals_the_keyed_scope():
     for module_cls in (nn.Dropout, nn.Dropout1d):
         # a subclass with its own forward: fxpipe cannot assume the forward, so it runs scoped
         subclass = type("Own", (module_cls,), {"forward": lambda self, x, cls=module_cls: cls.forward(self, x)})
-        fast = keyed.call(module_cls(0.4), 5, 3, x)
-        scoped = keyed.call(subclass(0.4), 5, 3, x)
+        fast = scope.call(module_cls(0.4), 5, 3, x)
+        scoped = scope.call(subclass(0.4), 5, 3, x)
         assert torch.equal(fast, scoped) and not torch.equal(fast, x)
 
 
 # ------------------------------------------------------------------ the pass
+def jitter(x: torch.Tensor) -> torch.Tensor:
+    return x + 0.01 * torch.randn_like(x)
+
+
+torch.fx.wrap("jitter")  # fx keeps the call whole: its randomness is out of sight
+
+
 class LeafNoise(nn.Module):
     """A user module kept whole by fx (leaf_modules): its randomness is out of sight."""
 
@@ -426,7 +433,7 @@ class WithLeaf(nn.Module):
         self.l1, self.noise, self.l2 = nn.Linear(WIDTH, WIDTH), LeafNoise(), nn.Linear(WIDTH, 4)
 
     def forward(self, x):
-        return self.l2(self.noise(self.l1(x)))
+        return self.l2(jitter(self.noise(self.l1(x))))
 
 
 def _traced(model: nn.Module, x: torch.Tensor, frontend: str = "fx", leaf_modules=()) -> fx.GraphModule:
@@ -438,12 +445,13 @@ def _traced(model: nn.Module, x: torch.Tensor, frontend: str = "fx", leaf_module
     return gm
 
 
-def test_user_leaf_module_runs_under_a_keyed_scope():
+def test_user_leaf_module_and_wrapped_function_run_under_a_keyed_scope():
     model, x = WithLeaf().double(), torch.randn(4, WIDTH, dtype=torch.float64)
     gm = _traced(model, x, leaf_modules=[LeafNoise])
-    assert number_random_ops(gm.graph) == 1
+    assert number_random_ops(gm.graph) == 2
     assert make_randomness_explicit(gm)
-    assert "keyed_call(noise_module, fxpipe_rng_seed, 0, l1)" in gm.code
+    assert "scope_call(noise_module, fxpipe_rng_seed, 0, l1)" in gm.code
+    assert "keyed_jitter(fxpipe_rng_seed, 1, noise)" in gm.code
     state = torch.get_rng_state()
     a, b, c = gm(x, 1), gm(x, 1), gm(x, 2)
     assert torch.equal(torch.get_rng_state(), state)
@@ -452,10 +460,10 @@ def test_user_leaf_module_runs_under_a_keyed_scope():
 
 def test_keys_follow_graph_order_and_renumbering_is_stable():
     gm = _traced(SamplingNet(), torch.randn(3, WIDTH))
-    assert number_random_ops(gm.graph) == 4
+    assert number_random_ops(gm.graph) == 5
     keys = [(n.name, n.meta[RNG_KEY]) for n in gm.graph.nodes if RNG_KEY in n.meta]
-    assert [k for _, k in keys] == [0, 1, 2, 3]
-    assert [name for name, _ in keys] == ["randn_like", "bernoulli", "uniform_", "rand_like"]
+    assert [k for _, k in keys] == [0, 1, 2, 3, 4]
+    assert [name for name, _ in keys] == ["randn_like", "bernoulli", "uniform_", "normal_", "rand_like"]
     number_random_ops(gm.graph)
     assert [(n.name, n.meta[RNG_KEY]) for n in gm.graph.nodes if RNG_KEY in n.meta] == keys
 
@@ -526,6 +534,16 @@ def test_composite_custom_op_is_keyed_through_its_decomposition():
     a, b, c = gm(x, 1), gm(x, 1), gm(x, 2)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_random_op_inside_cond_warns_at_compile_time():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: x + torch.rand_like(x), lambda x: x - 1, (x,))
+
+    gm = _traced(Branchy(), torch.randn(3, 4), frontend="export")
+    with pytest.warns(UserWarning, match="node 'cond'.*inside cond .a higher-order op. cannot be keyed"):
+        assert number_random_ops(gm.graph) == 0
 
 
 def test_unkeyable_op_inside_a_scope_warns_once_at_run_time():
