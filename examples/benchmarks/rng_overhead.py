@@ -3,7 +3,7 @@
 In one run, measurements interleaved and medians reported (this machine is noisy):
   dropout op   ``keyed.dropout`` (generator re-seeded for the call, as a rewritten stage
                does) vs ``F.dropout``: forward, and forward + backward, per call
-  stages       one micro-batch's forward + backward through a traced model, as it runs
+  stages       one micro-batch's forward (and forward + backward) through a traced model, as it runs
                today (dropout from the global generator) and after
                ``make_randomness_explicit`` (every random op keyed), for a dropout MLP
                under both frontends and a TransformerEncoderLayer stack under fx (whose
@@ -81,7 +81,7 @@ def encoder_stack(width: int, depth: int) -> nn.Module:
 
 
 def stage_step(model: nn.Module, x: torch.Tensor, frontend: str, repeats: int) -> dict[str, float]:
-    """One micro-batch's forward + backward of the traced graph, global vs keyed."""
+    """One micro-batch's forward, and forward + backward, of the traced graph: global vs keyed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plain = trace(model, (x,), frontend=frontend).graph_module
@@ -91,13 +91,21 @@ def stage_step(model: nn.Module, x: torch.Tensor, frontend: str, repeats: int) -
     assert make_randomness_explicit(rewritten)
     seeds = iter(range(10**9))
 
-    def run(gm: torch.nn.Module, *extra: int) -> None:
+    def run(gm: torch.nn.Module, backward: bool, *extra: int) -> None:
         out = gm(x, *extra)
         out = out[0] if isinstance(out, tuple) else out
-        out.sum().backward()
+        if backward:
+            out.sum().backward()
 
     return interleaved(
-        {"global": lambda: run(plain), "keyed": lambda: run(rewritten, keyed.mix(7, next(seeds)))}, repeats, 3
+        {
+            "global fwd": lambda: run(plain, False),
+            "keyed fwd": lambda: run(rewritten, False, keyed.mix(7, next(seeds))),
+            "global fwd+bwd": lambda: run(plain, True),
+            "keyed fwd+bwd": lambda: run(rewritten, True, keyed.mix(7, next(seeds))),
+        },
+        repeats,
+        3,
     )
 
 
@@ -126,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name, frontend, model, x in models:
         r = results[f"{name} ({frontend})"] = stage_step(model, x, frontend, repeats)
         print(
-            f"{name + ' (' + frontend + ')':<24} fwd+bwd per micro-batch: global {r['global'] * 1e3:8.2f} ms, "
-            f"keyed {r['keyed'] * 1e3:8.2f} ms ({r['keyed'] / r['global']:.3f}x)"
+            f"{name + ' (' + frontend + ')':<24} per micro-batch fwd: global {r['global fwd'] * 1e3:8.2f} ms, "
+            f"keyed {r['keyed fwd'] * 1e3:8.2f} ms ({r['keyed fwd'] / r['global fwd']:.3f}x) | fwd+bwd: global "
+            f"{r['global fwd+bwd'] * 1e3:8.2f} ms, keyed {r['keyed fwd+bwd'] * 1e3:8.2f} ms "
+            f"({r['keyed fwd+bwd'] / r['global fwd+bwd']:.3f}x)"
         )
     return results
 
