@@ -21,8 +21,8 @@ recompute draws new masks. Instead, the compiler gives the randomness an explici
      ``passes/scope.py``): a dispatch mode routes the random ops inside, around that call
      only.
 
-The runtime passes ``keyed.mix(step_seed, microbatch)`` as the seed, ``step_seed``
-drawn once per step from the caller's generator; see docs/randomness.md.
+The runtime passes one seed per (step, micro-batch), derived from a ``step_seed`` drawn
+once per step from the caller's generator; see docs/randomness.md.
 
 Reads ``node.meta["val"]`` (where present) to find the tensor that decides an op's device.
 """

@@ -1,11 +1,12 @@
 """Randomness as a compiler contract: keyed random ops, at the graph level (no runtime).
 
 Each model is cut with ``fxpipe.partition``, every stage is rewritten by
-``make_randomness_explicit``, and the stages are run in order by hand with the seed the
-runtime will pass, ``mix(step_seed, micro-batch)``. The checks: the same seed gives
-bitwise the same outputs and gradients; the split does not matter; other micro-batches
-and other nodes get other masks; eval mode has no dropout; the global generator is left
-alone; on CPU the keyed ops equal torch's own from the same generator state.
+``make_randomness_explicit``, and the stages are run in order by hand with one seed per
+micro-batch, as the runtime passes (here ``mix(step, micro-batch)``). The checks: the
+same seed gives bitwise the same outputs and gradients; the split does not matter; other
+micro-batches and other nodes get other masks; eval mode has no dropout; the global
+generator is left alone; on CPU the keyed ops equal torch's own from the same generator
+state.
 """
 
 from __future__ import annotations
