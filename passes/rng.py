@@ -33,7 +33,7 @@ import inspect
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -57,7 +57,7 @@ class _Keying:
     (``scope.scoped(target)``) or "unkeyable" (``reason`` says why and what to do).
     """
 
-    how: str
+    how: Literal["generator", "replace", "module", "scope", "unkeyable"]
     target: Any = None
     extra: dict = field(default_factory=dict)
     reason: str = ""
@@ -123,11 +123,12 @@ def _draws(ops: tuple[torch._ops.OpOverload, ...]) -> _Keying | None:
 
 
 def _is_user_function(target: Any) -> bool:
-    """A Python function from outside torch and fxpipe (fx kept it whole: ``fx.wrap``)."""
+    """A Python function from outside torch and fxpipe that fx kept whole (``fx.wrap``,
+    as torchvision's ``stochastic_depth``): its randomness is out of sight."""
     if not isinstance(target, types.FunctionType):
         return False
-    module = target.__module__ or ""
-    return not module.startswith(("torch", "fxpipe", "_operator", "operator", "math", "builtins"))
+    package = (target.__module__ or "").split(".")[0]
+    return package not in ("torch", "fxpipe", "_operator", "operator", "math", "builtins")
 
 
 def _takes_generator(target: Any) -> bool:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+import torchvision
 from fxpipe.passes import keyed, scope
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED
@@ -437,6 +438,11 @@ class WithLeaf(nn.Module):
         return self.l2(jitter(self.noise(self.l1(x))))
 
 
+def _single(out):
+    """The output tensor (export's graphs return a tuple of the flat outputs)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _traced(model: nn.Module, x: torch.Tensor, frontend: str = "fx", leaf_modules=()) -> fx.GraphModule:
     from fxpipe.passes.shape_prop import propagate_shapes
     from fxpipe.passes.trace import trace
@@ -455,6 +461,33 @@ def test_user_leaf_module_and_wrapped_function_run_under_a_keyed_scope():
     assert "keyed_jitter(fxpipe_rng_seed, 1, noise)" in gm.code
     state = torch.get_rng_state()
     a, b, c = gm(x, 1), gm(x, 1), gm(x, 2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+class StochasticDepthNet(nn.Module):
+    """torchvision's stochastic depth: fx keeps ``stochastic_depth`` whole (``fx.wrap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)
+        self.skip = torchvision.ops.StochasticDepth(0.5, "row")
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(h + self.skip(torch.relu(h)))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_torchvision_stochastic_depth_is_keyed(frontend):
+    model, x = StochasticDepthNet().double(), torch.randn(64, WIDTH, dtype=torch.float64)
+    gm = _traced(model, x, frontend)
+    assert number_random_ops(gm.graph) == 1
+    assert make_randomness_explicit(gm)
+    if frontend == "fx":
+        assert "keyed_stochastic_depth(fxpipe_rng_seed, 0" in gm.code
+    state = torch.get_rng_state()
+    a, b, c = (_single(gm(x, seed)) for seed in (1, 1, 2))
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
