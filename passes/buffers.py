@@ -19,8 +19,10 @@ Reads no ``node.meta`` keys; writes none.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,12 +126,19 @@ def _bind(node: fx.Node, ops: tuple[torch._ops.OpOverload, ...]) -> dict[str, An
         names = [a.name for a in ops[0]._schema.arguments]
         if node.op == "call_method" or len(node.args) <= len(names):
             return {**dict(zip(names, node.args)), **node.kwargs}
-    if node.op == "call_function" and not ops and callable(node.target):
+    signature = _python_signature(node.target) if node.op == "call_function" and not ops else None
+    if signature is not None:
         try:
-            return dict(inspect.signature(node.target).bind_partial(*node.args, **node.kwargs).arguments)
-        except (TypeError, ValueError):
+            return dict(signature.bind_partial(*node.args, **node.kwargs).arguments)
+        except TypeError:
             pass
     return dict(node.kwargs)
+
+
+@functools.cache
+def _python_signature(target: Any) -> inspect.Signature | None:
+    """The signature of a Python function (``F.batch_norm``), None for builtins."""
+    return inspect.signature(target) if isinstance(target, types.FunctionType) else None
 
 
 def _base(value: fx.Node) -> fx.Node:

@@ -29,6 +29,7 @@ Reads ``node.meta["val"]`` (where present) to find the tensor that decides an op
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import warnings
@@ -131,6 +132,7 @@ def _is_user_function(target: Any) -> bool:
     return package not in ("torch", "fxpipe", "_operator", "operator", "math", "builtins")
 
 
+@functools.cache
 def _takes_generator(target: Any) -> bool:
     try:
         return "generator" in inspect.signature(target).parameters
