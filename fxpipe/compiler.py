@@ -16,11 +16,14 @@ from fxpipe.costs import auto_split, ensure_costs, lookup
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
+from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH
 from fxpipe.passes.partition import partition as partition_pass
+from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.trace import trace
+from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
 from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
@@ -107,10 +110,12 @@ def partition(
     devices = _stage_devices(plan, assignment.num_stages, assignment.tag_devices, how)
     if plan.schedule == "interleaved-1f1b" and assignment.num_stages % plan.chunks:
         raise PlanError(f"{how} gives {assignment.num_stages} stages, not a multiple of plan.chunks={plan.chunks}")
+    number_random_ops(gm.graph, gm)  # keys from the whole graph: a node's masks do not depend on the split
     cut = partition_pass(gm.graph, assignment.num_stages)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
+    split_backward = _splits_backward(plan, assignment.num_stages)
     stages = []
     for s in range(assignment.num_stages):
         graph = stage_graph(cut, s)
@@ -119,12 +124,21 @@ def partition(
         paths = [n.meta.get(MODULE_PATH, "") for n in graph.nodes if n.op in COMPUTE_OPS]
         inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: num_model_inputs if s == 0 else 0]
         recv, send = cut.recv_edges(s), cut.send_edges(s)
+        mutated = mutated_inputs(graph, module.get_submodule)  # before the rewrites below hide call_modules
+        written = tuple(buffers_written(module))
+        roles = []
+        if make_randomness_explicit(module):
+            roles.append("rng_seed")
+        if split_backward and defer_weight_gradients(module):
+            roles.append("weight_grads")
         stages.append(
             Stage(
                 s, devices[s], module, recv, send, assignment.reasons[s], inputs, paths,
                 recv_ids=[edge_index[id(e)] for e in recv],
                 send_ids=[edge_index[id(e)] for e in send],
-                mutated_inputs=mutated_inputs(graph, module.get_submodule),
+                mutated_inputs=mutated,
+                extra_inputs=tuple(roles),
+                buffers_written=written,
             )
         )
     _check_schedule(plan, cut)
@@ -157,6 +171,12 @@ def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
         for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
         if not touched(name)
     }
+
+
+def _splits_backward(plan: Plan, num_stages: int) -> bool:
+    """Whether the plan's schedule runs input- and weight-gradient actions (I, W) apart."""
+    actions = make_schedule(plan.schedule, num_stages, plan.microbatches, plan.chunks)
+    return any(a.op in ("I", "W") for todo in actions for a in todo)
 
 
 def _check_schedule(plan: Plan, cut) -> None:

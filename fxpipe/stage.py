@@ -20,9 +20,10 @@ class Stage:
 
     Compile-time facts the runtimes read instead of recomputing: ``recv_ids`` /
     ``send_ids`` (each edge's index in the partitioned graph's edge list, in argument /
-    output order), ``mutated_inputs`` (argument positions its forward writes in place) and
+    output order), ``mutated_inputs`` (argument positions its forward writes in place),
     ``extra_inputs`` (the roles of the trailing arguments compiler passes added: "rng_seed",
-    "weight_grads").
+    "weight_grads") and ``buffers_written`` (buffers its forward updates in place, by name:
+    a checkpoint recompute restores them).
     """
 
     index: int
@@ -37,6 +38,7 @@ class Stage:
     send_ids: list[int] = field(default_factory=list)
     mutated_inputs: frozenset[int] = frozenset()
     extra_inputs: tuple[str, ...] = ()
+    buffers_written: tuple[str, ...] = ()
 
     @property
     def num_nodes(self) -> int:

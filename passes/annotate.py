@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, REASON, STAGE
 from fxpipe.passes.tags import has_tags, tag_of
 

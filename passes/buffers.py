@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
+
 from fxpipe.passes import scope
 from fxpipe.passes.ops import aliases_self, overloads_of, writes_self
-from torch import nn
 
 _IN_PLACE_OPERATORS = {
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,

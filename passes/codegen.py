@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
+
 from fxpipe.passes.meta import EDGE, STAGE
 from fxpipe.passes.partition import PartitionedGraph, fxpipe_recv, fxpipe_send
-from torch import nn
 
 
 def stage_graph(partitioned: PartitionedGraph, stage: int) -> fx.Graph:

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from fxpipe.passes.meta import COMPUTE_OPS, COST, VAL
-from fxpipe.passes.shape_prop import tensor_bytes
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from fxpipe.passes.meta import COMPUTE_OPS, COST, VAL
+from fxpipe.passes.shape_prop import tensor_bytes
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from fxpipe.passes.meta import CUSTOM, MODULE_PATH
 from torch import nn
+
+from fxpipe.passes.meta import CUSTOM, MODULE_PATH
 
 FLAG = "fxpipe_training"
 

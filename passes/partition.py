@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
+
 from fxpipe.passes.meta import EDGE, MODULE_PATH, STAGE, VAL
 from fxpipe.passes.shape_prop import describe, tensor_bytes
 

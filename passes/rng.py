@@ -39,11 +39,12 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
+
 from fxpipe.passes import keyed, scope
 from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED, VAL
 from fxpipe.passes.mode import TrainingFlag
 from fxpipe.passes.ops import draws_random, generator_overload, overloads_of
-from torch import nn
 
 aten = torch.ops.aten
 

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from fxpipe.passes.keyed import (
     alpha_dropout,
     check_seed,
@@ -28,8 +31,6 @@ from fxpipe.passes.keyed import (
     native_dropout,
 )
 from fxpipe.passes.ops import draws_random, generator_overload
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 

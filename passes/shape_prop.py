@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from fxpipe.passes.meta import VAL
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from fxpipe.passes.meta import VAL
 
 
 class _FakeInterpreter(fx.Interpreter):

@@ -13,8 +13,9 @@ import threading
 from collections.abc import Iterator
 
 import torch.fx as fx
-from fxpipe.passes.meta import CUSTOM, TAG_KEY
 from torch.fx import traceback as fx_traceback
+
+from fxpipe.passes.meta import CUSTOM, TAG_KEY
 
 _state = threading.local()
 

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx import _pytree as fx_pytree
+
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.mode import bind_mode
 from fxpipe.passes.tags import TagError, tracing
-from torch import nn
-from torch.fx import _pytree as fx_pytree
 
 
 class TraceError(RuntimeError):

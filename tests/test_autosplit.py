@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from fxpipe.passes.autosplit import SplitInfeasible, SplitProblem, refine, solve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
+from fxpipe.passes.autosplit import SplitInfeasible, SplitProblem, refine, solve
 
 
 def brute_force(problem: SplitProblem) -> tuple[float, list[int] | None]:

@@ -6,12 +6,12 @@ import time
 
 import pytest
 import torch
-from fxpipe.passes.cost import COST, NodeCost
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
 from fxpipe.costs import DeviceModel, default_spec, spec_for
+from fxpipe.passes.cost import COST, NodeCost
 
 X = torch.randn(16, 32)
 

@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 import torchvision
+from test_randomness import PLANS, DropoutMLP
+from test_randomness import run as run_dropout
 from test_runtime import Blocks, WithAux
 from test_tags_and_edges import Encoder, SkipOverStage, StructuredValues
 from torch import nn
@@ -33,7 +35,7 @@ from fxpipe.distributed.comm import (
     messages_for,
     nccl_plans,
 )
-from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs
+from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, fake_extras
 from fxpipe.placement import skeleton
 from fxpipe.schedules import make_schedule
 
@@ -160,7 +162,19 @@ def two_rank_cases() -> dict:
     pipe = fxpipe.compile(aux_model, dict(devices=["cpu:0", "cpu:1"], split=["b"], microbatches=4, output_merge={"aux": "mean"}), example_inputs=(xa,))
     got = pipe(xa)
     out["aux"] = None if got is None else float((got["aux"] - aux_model(xa)["aux"]).abs())
+
+    # dropout: the same masks as the local executor draws from the same seed
+    loss, grads = dropout_case()
+    out["dropout"] = {"loss": float(loss), "grads": grads}
     return out
+
+
+def dropout_case() -> tuple[torch.Tensor, dict]:
+    """A dropout MLP's 1F1B step after manual_seed(7), in this process (local or a rank)."""
+    torch.manual_seed(0)
+    model = DropoutMLP().double()
+    x, t = torch.randn(10, 16, dtype=torch.float64), torch.randint(0, 3, (10,))
+    return run_dropout(model, PLANS["1f1b"], x, t)
 
 
 def four_rank_cases() -> dict:
@@ -247,7 +261,7 @@ def mismatched_plan_case() -> str:
 # ------------------------------------------------------------------------ tests
 def assert_equal_to_eager(results: dict) -> None:
     for case, r in results.items():
-        if isinstance(r, dict) and case != "autocast":
+        if isinstance(r, dict) and case not in ("autocast", "dropout"):
             assert r["loss_err"] < 1e-5, (case, r)
             assert r["grad_err"] < 1e-4, (case, r)
 
@@ -269,6 +283,11 @@ def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ra
         assert r["float64"]["dtype"] == "torch.float64" and r["float64"]["loss_err"] < 1e-12, r["float64"]
         assert r["autocast"]["loss_err"] < 1e-2 and r["autocast"]["grad_err"] < 5e-2, r["autocast"]
     assert first["aux"] is None and second["aux"] < 1e-14
+    local_loss, local_grads = dropout_case()
+    assert first["dropout"]["loss"] == second["dropout"]["loss"] == float(local_loss)  # bitwise
+    for r in ranks:
+        for name, g in r["dropout"]["grads"].items():
+            assert torch.equal(g, local_grads[name]), name
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
@@ -355,7 +374,7 @@ def test_edge_specs_follow_the_micro_batch_and_keep_non_tensor_values() -> None:
     ids = {id(e): k for k, e in enumerate(part.partitioned.edges)}
     recv = [[ids[id(e)] for e in s.inputs] for s in part.stages]
     send = [[ids[id(e)] for e in s.outputs] for s in part.stages]
-    specs = derive_edge_specs([skeleton(s.module) for s in part.stages], recv, send, [x[:3]], train=True)
+    specs = derive_edge_specs([skeleton(s.module) for s in part.stages], recv, send, part.bind_inputs((x[:3],), {}), train=True, extras=[fake_extras(s) for s in part.stages])
     leaves = [leaf for spec in specs.values() for leaf in spec.leaves]
     assert None in leaves and 3 in leaves and 6 in leaves  # None, the dict's number, x.size(1)
     tensors = [leaf for leaf in leaves if isinstance(leaf, LeafSpec)]

@@ -107,6 +107,7 @@ def records_between_ranks() -> dict:
         store.compare_set(key, "", '{"message": "rank 0 failed", "rank": 0}')  # what any local process can do
     dist.barrier()
     forged_seen = read_verified(store, key)
+    dist.barrier()  # every rank has looked at the forged record before a genuine one is written
     mine = publish_first(store, key, f"rank {dist.get_rank()} saw a failure") if dist.get_rank() == 0 else None
     dist.barrier()
     final = read_verified(store, key)

@@ -20,17 +20,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 import torchvision
-from fxpipe.passes import keyed, scope
-from fxpipe.passes.buffers import buffers_written
-from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED
-from fxpipe.passes.partition import partition as partition_pass
-from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fxpipe
 import fxpipe.compiler
+from fxpipe.passes import keyed, scope
+from fxpipe.passes.buffers import buffers_written
+from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED
+from fxpipe.passes.partition import partition as partition_pass
+from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 
 FRONTENDS = ["fx", "export"]
 WIDTH = 16

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import check_pipeline_matches_eager
-from fxpipe.passes.partition import fxpipe_recv, fxpipe_send
 from torch import nn
 
 import fxpipe
+from fxpipe.passes.partition import fxpipe_recv, fxpipe_send
 
 CE = nn.CrossEntropyLoss()
 

@@ -6,9 +6,10 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+
 from fxpipe.passes.trace import trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
-from torch import nn
 
 
 class Mixed(nn.Module):

@@ -34,12 +34,12 @@ import time
 import networkx as nx
 import torch
 import torchvision
-from fxpipe.passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
-from fxpipe.passes.partition import EDGE
 from torch import nn
 
 import fxpipe
 from fxpipe.compiler import build_pipeline
+from fxpipe.passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
+from fxpipe.passes.partition import EDGE
 from fxpipe.schedules import make_schedule
 from fxpipe.simulate import simulate
 from fxpipe.tune import plot_sweep, sweep

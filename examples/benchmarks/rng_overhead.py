@@ -24,11 +24,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fxpipe.passes import keyed
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.trace import trace
-from torch import nn
 
 
 def interleaved(runs: dict[str, Callable[[], None]], repeats: int, calls: int) -> dict[str, float]:

@@ -26,7 +26,7 @@ from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
-from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, signature
+from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
 from fxpipe.partitioned import Partitioned
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
@@ -148,7 +148,8 @@ class DistributedPipeline(PipelineBase):
         for flat in inputs:
             key = (signature(flat), ctx.train, modes, ctx.autocast)
             if key not in self._specs:
-                self._specs[key] = derive_edge_specs(self._skeletons, self._recv, self._send, flat, ctx.train, ctx.autocast)
+                extras = [fake_extras(st) for st in self.part.stages]
+                self._specs[key] = derive_edge_specs(self._skeletons, self._recv, self._send, flat, ctx.train, ctx.autocast, extras)
             keys.append(key)
         return [self._specs[k] for k in keys], tuple(keys)
 

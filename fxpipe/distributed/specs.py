@@ -87,6 +87,12 @@ def value_spec(value: Any) -> ValueSpec:
     return ValueSpec(treespec, tuple(out))
 
 
+def fake_extras(stage: Any) -> list[Any]:
+    """Stand-ins for a stage's trailing compiler-added arguments in a fake run: any seed
+    (shapes do not depend on it), no weight-gradient store."""
+    return [0 if role == "rng_seed" else None for role in stage.extra_inputs]
+
+
 def derive_edge_specs(
     skeletons: Sequence[nn.Module],
     recv_edges: Sequence[Sequence[int]],
@@ -94,13 +100,15 @@ def derive_edge_specs(
     inputs: list,
     train: bool,
     autocast: Any = None,
+    extras: Sequence[Sequence[Any]] | None = None,
 ) -> dict[int, ValueSpec]:
     """Run every stage on fake tensors for one micro-batch; return each edge's ValueSpec.
 
     skeletons: per stage, a meta copy (see :func:`skeleton`); recv_edges / send_edges:
     per stage, the edge ids of its inputs after the model's (in argument order) and of
     its output tuple; inputs: the micro-batch's flat model inputs (real or fake);
-    autocast: the caller's ``AutocastState`` (edges carry what autocast makes of them).
+    autocast: the caller's ``AutocastState`` (edges carry what autocast makes of them);
+    extras: per stage, values for its trailing compiler-added arguments (a seed, a store).
     Raises SignatureError naming the stage when a stage cannot run on fake tensors.
     """
     values: dict[int, Any] = {}
@@ -111,6 +119,7 @@ def derive_edge_specs(
         for s in range(last_sender + 1):
             args = list(flat) if s == 0 else []
             args += [values[e] for e in recv_edges[s]]
+            args += list(extras[s]) if extras is not None else []
             state = {
                 name: _fake_param(t)
                 for name, t in list(skeletons[s].named_parameters(remove_duplicate=False))

@@ -86,7 +86,7 @@ class StepContext:
     microbatch_base: int = 0
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[list, Any, Any, list | None]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[list, Any, list | None]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], list] = field(default_factory=dict)
     step_seed: int = 0
 

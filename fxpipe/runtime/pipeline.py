@@ -86,20 +86,17 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         send=list(stage.send_ids),
         is_last=stage.index == num_stages - 1,
         mutated_inputs=stage.mutated_inputs,
-        buffers_written=_running_statistics(module),
+        buffers_written=[_owner(module, name) for name in stage.buffers_written],
         name=stage.device,
         checkpoint=checkpoint,
         extra_inputs=tuple(stage.extra_inputs),
     )
 
 
-def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
-    """Buffers a forward updates in place: normalisation layers' running statistics."""
-    found = []
-    for sub in module.modules():
-        if isinstance(sub, nn.modules.batchnorm._NormBase):
-            found += [b for b in sub.buffers(recurse=False)]
-    return found
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule holding buffer ``name``, its attribute name)."""
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
 
 
 class PipelineBase(PipelineViews):

@@ -10,9 +10,9 @@ everything about running a stage once:
 - inputs the stage writes into in place are copied first (a leaf cannot be mutated);
 - the caller's grad mode and autocast state (worker threads do not inherit them);
 - the loss of the last stage;
-- checkpointing: the forward runs without autograd and is recomputed in backward, with
-  the buffers it updates (BatchNorm running statistics) restored after the recompute, so
-  they change once per micro-batch as in eager;
+- checkpointing: the forward runs without autograd and is recomputed in backward on
+  copies of the buffers it updates (BatchNorm running statistics), so they change once
+  per micro-batch as in eager;
 - the stage's extra arguments, named by role at compile time: ``rng_seed`` (what the
   stage's random ops draw from: the step's seed and the micro-batch's global index, the
   same in a recompute) and ``weight_grads`` (the list a stage whose backward is split
@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.streams import carries_grad, leaves, move, restored_rng, rng_state, wants_grad
+from fxpipe.runtime.streams import carries_grad, leaves, move, wants_grad
 
 Grads = list[torch.Tensor | None]
 
@@ -47,7 +47,7 @@ class StageRunner:
 
     recv / send: edge ids of the stage's inputs after the model's own (in argument order)
     and of its output tuple; mutated_inputs: argument positions it writes in place;
-    buffers_written: buffers its forward updates in place (restored after a recompute);
+    buffers_written: (owning module, name) of the buffers its forward updates in place;
     name: the logical device ("cpu:1") shown in timelines; extra_inputs: the roles of the
     stage's trailing arguments ("rng_seed", "weight_grads"), in order.
     """
@@ -60,7 +60,7 @@ class StageRunner:
     send: list[int]
     is_last: bool
     mutated_inputs: frozenset[int] = frozenset()
-    buffers_written: Sequence[torch.Tensor] = field(default_factory=list)
+    buffers_written: Sequence[tuple[torch.nn.Module, str]] = field(default_factory=list)
     name: str = ""
     checkpoint: bool = False
     extra_inputs: tuple[str, ...] = ()
@@ -73,7 +73,6 @@ class StageRunner:
         args += [move(v, self.device, detach=ctx.train) for v in received]
         store: list | None = [] if "weight_grads" in self.extra_inputs else None
         args += self._extras(i, ctx, store)
-        rng = rng_state(self.device) if recompute else None
         with torch.set_grad_enabled(ctx.grad_enabled and not recompute), ctx.autocast.applied():
             out = self._call(args)
             if self.is_last and ctx.train and ctx.loss_of is not None and not recompute:
@@ -81,7 +80,7 @@ class StageRunner:
         if self.is_last:
             ctx.outputs[i] = _detached(out) if ctx.train else out
         if ctx.train:
-            ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, rng, store)
+            ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, store)
         if self.is_last:
             return []
         if recompute and wants_grad(self.module, args):
@@ -111,9 +110,10 @@ class StageRunner:
             work()
 
     def _backprop(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> tuple[list[Grads], list | None]:
-        args, out, rng, store = ctx.saved.pop((self.index, i))
+        args, out, store = ctx.saved.pop((self.index, i))
         if self.checkpoint:
-            with restored_rng(self.device, rng), torch.enable_grad(), ctx.autocast.applied(), self._buffers_restored():
+            # random ops draw from the same (seed, key) as in the forward: the same masks
+            with torch.enable_grad(), ctx.autocast.applied(), self._buffers_restored():
                 out = self._call(args)
                 if self.is_last and ctx.loss_of is not None:
                     ctx.losses[i] = ctx.loss_of(i, out)
@@ -148,14 +148,16 @@ class StageRunner:
 
     @contextlib.contextmanager
     def _buffers_restored(self) -> Iterator[None]:
-        """The recomputation's buffer updates are undone: the forward already made them."""
-        saved = [b.clone() for b in self.buffers_written]
+        """The recomputation updates copies of the buffers (the forward already updated
+        them); the originals are put back untouched, so no autograd version moves."""
+        originals = [owner._buffers[name] for owner, name in self.buffers_written]
+        for (owner, name), buffer in zip(self.buffers_written, originals):
+            owner._buffers[name] = buffer.clone()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for buffer, value in zip(self.buffers_written, saved):
-                    buffer.copy_(value)
+            for (owner, name), buffer in zip(self.buffers_written, originals):
+                owner._buffers[name] = buffer
 
 
 def _detached(value: Any) -> Any:

@@ -99,19 +99,3 @@ def carries_grad(value: Any) -> Any:
 
     return pytree.tree_map_only(torch.Tensor, mark, value)
 
-
-def rng_state(device: torch.device) -> tuple:
-    """The random-number state a recomputation must replay (host, and the GPU's if any)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def restored_rng(device: torch.device, state: tuple) -> Iterator[None]:
-    """Run the block with the random-number state ``rng_state`` saved, then restore today's."""
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
