@@ -144,13 +144,14 @@ def _takes_generator(target: Any) -> bool:
 def module_may_draw(module: nn.Module) -> bool:
     """Whether a module called whole (a leaf) may draw random numbers in training.
 
-    True when it or a submodule is a dropout or RReLU, a MultiheadAttention or RNN with
-    dropout > 0, or a class from outside torch (whose forward fxpipe cannot see).
+    True when it or a submodule is a dropout with p > 0 or an RReLU, a MultiheadAttention
+    or RNN with dropout > 0, or a class from outside torch (whose forward fxpipe cannot
+    see). A ``TransformerEncoderLayer(dropout=0.0)`` draws nothing and runs unscoped.
     """
     for m in module.modules():
         if isinstance(m, TrainingFlag):
             continue
-        if isinstance(m, nn.modules.dropout._DropoutNd | nn.RReLU):
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 or isinstance(m, nn.RReLU):
             return True
         if isinstance(m, nn.MultiheadAttention | nn.RNNBase) and m.dropout > 0:
             return True

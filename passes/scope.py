@@ -67,7 +67,7 @@ class KeyedScope(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not draws_random(func) or kwargs.get("generator") is not None:
+        if not draws_random(func) or kwargs.get("generator") is not None or _no_dropout(func, args, kwargs):
             return func(*args, **kwargs)
         if func is aten.native_dropout.default:
             return native_dropout(*args, **kwargs, generator=self._next(args[0]))
@@ -76,6 +76,16 @@ class KeyedScope(TorchDispatchMode):
             _warn_unkeyed(func, self.label)
             return func(*args, **kwargs)
         return keyed(*args, **kwargs, generator=self._next(_where(args, kwargs)))
+
+
+def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
+    """An attention kernel called with ``dropout_p=0`` draws nothing (it is tagged random for
+    when it does)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = args[position] if position < len(args) else kwargs.get("dropout_p", argument.default_value)
+            return value == 0
+    return False
 
 
 def _where(args: tuple, kwargs: dict) -> Any:
