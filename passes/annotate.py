@@ -21,7 +21,7 @@ its own reference, so parameters are never sent as activations.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -29,7 +29,7 @@ import torch.fx as fx
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, REASON, STAGE
 from fxpipe.passes.tags import has_tags, tag_of
 
-__all__ = ["COMPUTE_OPS", "REASON", "STAGE", "AnnotateError", "StageAssignment", "has_tags", "tag_of"]
+__all__ = ["COMPUTE_OPS", "REASON", "STAGE", "Anchor", "AnnotateError", "StageAssignment", "anchors", "annotate_by_anchors", "has_tags", "tag_of"]
 
 
 class AnnotateError(ValueError):
@@ -188,3 +188,103 @@ def check_monotone(graph: fx.Graph) -> None:
                     f"uses {arg.name!r} from the later stage {arg.meta[STAGE]}: stages must follow program order; "
                     "tag the node's block with the later device or move the split point"
                 )
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Where a stage begins, in terms that hold in any trace of the same model: the module
+    whose forward made the stage's first compute node (``module_path``), that node's
+    operation (``op``) and how many nodes of that operation the module made before it
+    (``occurrence``). Node names and positions change between traces; these do not."""
+
+    module_path: str
+    op: str
+    occurrence: int
+
+    def __str__(self) -> str:
+        return f"{self.op} #{self.occurrence} in module '{self.module_path or '(root)'}'"
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        name = "" if node.op == "call_module" else target  # a module's path is its anchor's path
+    else:
+        name = getattr(target, "__qualname__", None) if not hasattr(target, "_schema") else None
+        name = name or str(target)
+    return f"{node.op}:{name}"
+
+
+def _anchored(graph: fx.Graph) -> Iterator[tuple[fx.Node, Anchor]]:
+    """Every compute node with its Anchor, in program order."""
+    seen: dict[tuple[str, str], int] = {}
+    for node in graph.nodes:
+        if node.op in COMPUTE_OPS:
+            path, op = node.meta.get(MODULE_PATH, ""), _op_name(node)
+            count = seen.get((path, op), 0)
+            seen[(path, op)] = count + 1
+            yield node, Anchor(path, op, count)
+
+
+def anchors(graph: fx.Graph) -> list[Anchor]:
+    """Where each stage after the first begins in an annotated graph (``node.meta["stage"]``),
+    as Anchors: the first compute node of stage k, in program order, for k = 1, 2, ...
+
+    Re-applied by :func:`annotate_by_anchors` to another trace of the model (another input
+    signature), they give the same stage boundaries, so a cut found once (``split="auto"``)
+    never moves. Raises AnnotateError when a stage has no compute node.
+    """
+    first: dict[int, Anchor] = {}
+    for node, anchor in _anchored(graph):
+        first.setdefault(node.meta[STAGE], anchor)
+    num_stages = max(first, default=0) + 1
+    missing = [k for k in range(num_stages) if k not in first]
+    if missing:
+        raise AnnotateError(f"stage(s) {missing} have no compute node: no anchor to find them again")
+    return [first[k] for k in range(1, num_stages)]
+
+
+def annotate_by_anchors(graph: fx.Graph, stage_anchors: Sequence[Anchor], reasons: Sequence[str] | None = None) -> StageAssignment:
+    """Stages of another trace cut where :func:`anchors` found them: stage k begins at the
+    node matching ``stage_anchors[k - 1]`` and runs to the next one, in program order.
+
+    Placeholders are stage 0, ``get_attr`` nodes go with their first user, the output with
+    the last stage. ``reasons`` (one per stage) default to naming the anchor. Returns the
+    StageAssignment. Raises AnnotateError naming the anchor this graph lacks, or the two
+    anchors it finds out of order.
+    """
+    starts: dict[Anchor, fx.Node] = {}
+    wanted = set(stage_anchors)
+    for node, anchor in _anchored(graph):
+        if anchor in wanted and anchor not in starts:
+            starts[anchor] = node
+    lacking = [a for a in stage_anchors if a not in starts]
+    if lacking:
+        raise AnnotateError(
+            f"this trace has no {lacking[0]}, where stage {list(stage_anchors).index(lacking[0]) + 1} began in the "
+            "first trace: the model runs other code for this input signature; use split points at module "
+            "boundaries (Plan(split=['module.path', ...])), which every signature reaches"
+        )
+    position = {node: k for k, node in enumerate(graph.nodes)}
+    order = [position[starts[a]] for a in stage_anchors]
+    for k in range(1, len(order)):
+        if order[k] <= order[k - 1]:
+            raise AnnotateError(f"stage {k + 1} begins at {stage_anchors[k]}, before stage {k}'s {stage_anchors[k - 1]} in this trace")
+    num_stages = len(stage_anchors) + 1
+    reasons = list(reasons) if reasons is not None else ["before the first anchor"] + [f"begins at {a}" for a in stage_anchors]
+    stage = 0
+    for k, node in enumerate(graph.nodes):
+        while stage < len(order) and k >= order[stage]:
+            stage += 1
+        if node.op in COMPUTE_OPS:
+            node.meta[STAGE], node.meta[REASON] = stage, reasons[stage]
+    for node in reversed(graph.nodes):
+        if node.op == "placeholder":
+            node.meta[STAGE], node.meta[REASON] = 0, "model input"
+        elif node.op == "get_attr":
+            node.meta[STAGE] = min((u.meta[STAGE] for u in node.users if u.meta.get(STAGE) is not None), default=0)
+            node.meta[REASON] = "parameter/constant: with its first user"
+        elif node.op == "output":
+            node.meta[STAGE], node.meta[REASON] = num_stages - 1, "model output"
+    _check_nonempty(graph, num_stages, "the anchors")
+    return StageAssignment(num_stages, None, reasons)

@@ -3,10 +3,23 @@
 Frontends
 ---------
 ``fx``      ``torch.fx`` symbolic tracing through :class:`PipeTracer`, which keeps module
-            calls (``call_module`` nodes), honours ``leaf_modules`` and ``concrete_args``.
+            calls (``call_module`` nodes), honours ``leaf_modules`` and ``concrete_args``,
+            and reads buffers as ``get_attr`` nodes.
 ``export``  ``torch.export.export(strict=False)``; its ``.module()`` is an fx graph of aten
-            ops whose parameters are ``get_attr`` nodes under their original names.
-``auto``    fx first, export when fx fails (the result says which one ran).
+            ops whose parameters and buffers are ``get_attr`` nodes under their original names.
+``auto``    fx first, export when fx fails; HuggingFace models (which fx cannot trace, and
+            for which transformers no longer ships an fx tracer) go to export directly.
+            The result's ``notes`` say which frontend ran and why.
+
+What a trace specialises on is explicit (``passes/signature.py``): None and other
+non-tensor arguments are traced as constants (so ``if mask is None`` takes the call's
+branch), tensor defaults are bound at call time as inputs, and the export frontend traces
+at the example's sizes (``dynamic_batch=False``) or with dim 0 of batch-sized inputs
+symbolic (``dynamic_batch=True``: one trace serves every micro-batch size; export's own
+guards then check the sizes it baked at run time). ``Traced.key`` is the call's
+:class:`TraceKey`; ``Traced.key_of`` gives another call's key in the same terms, so a
+caller traces again exactly when a call's key is new. ``bind_inputs`` raises
+SignatureError for a call whose None pattern, constants, dtypes or structure differ.
 
 Writes, per node: ``node.meta["custom"]["fxpipe_device"]`` (device_guard tags, recorded by
 ``torch.fx.traceback``) and ``node.meta[MODULE_PATH]``: the qualified name of the
@@ -14,14 +27,21 @@ innermost module whose forward created the node ("" for the root).
 
 Tracing never changes the model: module attributes are snapshotted before and restored
 after each trace, because some models (timm's levit, efficientformer) cache values in
-attributes while they run, which leaves proxies behind after a symbolic trace.
+attributes while they run, which leaves proxies behind after a symbolic trace. torch's
+loggers are silenced below ERROR while a frontend tries the model (unless ``TORCH_LOGS``
+is set), so a failed attempt prints nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import io
+import logging
+import operator
 import os
+import re
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,28 +52,46 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx import _pytree as fx_pytree
 
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.mode import bind_mode
+from fxpipe.passes.signature import (
+    CallSpec,
+    SignatureError,
+    TraceKey,
+    flat_leaves,
+    is_constant,
+)
 from fxpipe.passes.tags import TagError, tracing
 
 
 class TraceError(RuntimeError):
-    """Neither frontend could trace the model; the message says where each one stopped."""
+    """Neither frontend could trace the model; the message says where each one stopped.
+
+    ``failures`` holds (frontend, exception) for each attempt: their tracebacks, kept out
+    of the printed error (pages of torch internals), are there for debugging.
+    """
+
+    def __init__(self, message: str, failures: Sequence[tuple[str, BaseException]] = ()) -> None:
+        super().__init__(message)
+        self.failures = list(failures)
 
 
 @dataclass
 class Traced:
     """A traced model: a flat fx graph plus how to feed it and rebuild its output.
 
-    graph_module: GraphModule whose placeholders are the flattened inputs.
+    graph_module: GraphModule whose placeholders are the call's tensor inputs.
     root: where attributes not found on the user's model live (export's constants and
         higher-order-op submodules).
     frontend: "fx" or "export".
-    bind_inputs: (args, kwargs) -> one value per placeholder, in order.
+    bind_inputs: (args, kwargs) -> one value per placeholder, in order; raises
+        SignatureError when the call does not fit the trace (see ``key``).
     build_output: the graph's output value -> what the model's forward returns.
-    notes: what happened while tracing (fallbacks), for ``explain()``.
+    key: the TraceKey of the call the trace was made for.
+    key_of: (args, kwargs) -> that call's TraceKey in this trace's terms; equal to ``key``
+        exactly when this trace serves the call.
+    notes: which frontend ran and why, for ``explain()``.
     """
 
     graph_module: fx.GraphModule
@@ -61,21 +99,33 @@ class Traced:
     frontend: str
     bind_inputs: Callable[[tuple, dict], list]
     build_output: Callable[[Any], Any]
+    key: TraceKey
+    key_of: Callable[..., TraceKey]
     notes: list[str] = field(default_factory=list)
 
 
 class PipeTracer(fx.Tracer):
     """fx tracer that keeps nn.Module calls and treats ``leaf_modules`` as opaque.
 
+    Buffers are proxied like parameters (``get_attr`` nodes), so values computed from
+    them are computed at run time from the stage's buffer, never frozen as constants.
     leaf_modules: module classes, or qualified module names, never traced into.
     """
+
+    proxy_buffer_attributes = True
 
     def __init__(self, leaf_modules: Sequence[Any] = ()) -> None:
         super().__init__()
         self.leaf_classes = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
-
         self.path_stack: list[str] = [""]
+        self.placeholders: list[fx.Node] = []
+        self._tensor_names: dict[int, str] | None = None
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self.placeholders = []
+        self._tensor_names = None
+        return super().trace(root, concrete_args)
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         self.path_stack.append(self.path_of_module(m))
@@ -87,12 +137,30 @@ class PipeTracer(fx.Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
+        if node.op == "placeholder":
+            self.placeholders.append(node)
         return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_classes):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        # fx searches named_parameters()/named_buffers() on every access (quadratic in the
+        # model's size); one id -> name map per trace gives the same first name
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        if self._tensor_names is None:
+            self._tensor_names = {}
+            for name, tensor in [*self.root.named_parameters(), *self.root.named_buffers()]:
+                self._tensor_names.setdefault(id(tensor), name)
+        name = self._tensor_names.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
 
 @contextlib.contextmanager
@@ -131,6 +199,31 @@ def preserved_module_state(model: nn.Module) -> Iterator[None]:
                 module.__dict__[key] = value
 
 
+@contextlib.contextmanager
+def quiet_attempt() -> Iterator[None]:
+    """A frontend tries the model without noise: torch's loggers are silenced and stderr is
+    held back (torch.export prints the partial graph of a failed attempt there), then
+    replayed if the attempt succeeds and dropped if it fails. ``TORCH_LOGS`` turns this off."""
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    logger = logging.getLogger("torch")
+    level = logger.level
+    held = io.StringIO()
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logger.setLevel(level)
+    sys.stderr.write(held.getvalue())
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a HuggingFace ``PreTrainedModel`` (without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(model).__mro__)
+
+
 def trace(
     model: nn.Module,
     example_inputs: tuple = (),
@@ -138,126 +231,329 @@ def trace(
     frontend: str = "auto",
     leaf_modules: Sequence[Any] = (),
     concrete_args: Mapping[str, Any] | None = None,
+    *,
+    dynamic_batch: bool = True,
 ) -> Traced:
-    """Trace ``model`` into a flat fx graph with the chosen frontend.
+    """Trace ``model`` for the call ``model(*example_inputs, **example_kwargs)``.
 
-    Returns a :class:`Traced`. Raises TraceError naming, for each frontend tried, the
-    module and source line where it stopped, with the usual fixes (a leaf module,
-    concrete args, or the other frontend).
+    dynamic_batch (export only): True marks dim 0 of batch-sized tensor inputs symbolic so
+    one trace serves every micro-batch size (export may still bake it, e.g. for a batch of
+    1: ``key`` then holds it); False traces at the example's sizes, which ``key`` then
+    holds: trace once per micro-batch signature.
+
+    Returns a :class:`Traced`. Raises SignatureError when the example does not fit
+    ``model.forward``, TraceError naming, for each frontend tried, the module and source
+    line where it stopped, with the usual fixes (a leaf module, concrete args, or the
+    other frontend), or naming the argument when a None argument reaches an operator.
     """
-    kwargs = dict(example_kwargs or {})
+    owner = type(model).__name__
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind_partial(*example_inputs, **dict(example_kwargs or {}))
+    except TypeError as err:
+        raise SignatureError(f"example inputs do not match {owner}.forward{signature}: {err}") from None
+    # an argument the example leaves out stays an input (fx needs no value for it); the
+    # compiler's bind_inputs then asks for a complete example
+    bound.apply_defaults()
+    notes: list[str] = []
+    if frontend == "auto" and is_transformers_model(model):
+        frontend = "export"
+        notes.append(f"{owner} is a HuggingFace model: traced with torch.export (torch.fx cannot trace transformers models)")
     failures: list[tuple[str, BaseException]] = []
-    if frontend in ("auto", "fx"):
+    with quiet_attempt():
+        if frontend in ("auto", "fx"):
+            try:
+                traced = _trace_fx(model, signature, bound, leaf_modules, concrete_args or {})
+            except (TraceError, TagError):
+                raise  # a wrong device_guard or a None operand: every frontend stops there
+            except Exception as err:  # noqa: BLE001 - any failure means: try the next frontend
+                failures.append(("torch.fx", err))
+                if frontend == "fx":
+                    raise TraceError(_failure_message(model, failures, bound, fx_only=True), failures) from None
+            else:
+                return traced
         try:
-            return _trace_fx(model, leaf_modules, concrete_args)
+            traced = _trace_export(model, signature, bound, dynamic_batch)
         except TagError:
             raise
-        except Exception as err:  # noqa: BLE001 - any failure means: try the next frontend
-            if frontend == "fx":
-                raise TraceError(_failure_message(model, [("torch.fx", err)], fx_only=True)) from err
-            failures.append(("torch.fx", err))
-    try:
-        traced = _trace_export(model, tuple(example_inputs), kwargs)
-    except TagError:
-        raise
-    except Exception as err:  # noqa: BLE001
-        failures.append(("torch.export", err))
-        raise TraceError(_failure_message(model, failures)) from err
+        except Exception as err:  # noqa: BLE001
+            failures.append(("torch.export", err))
+            raise TraceError(_failure_message(model, failures, bound), failures) from None
     if failures:
-        where = _where(model, failures[0][1])
         note = (
-            f"torch.fx could not trace {type(model).__name__} ({where}: "
+            f"torch.fx could not trace {owner} ({_where(model, failures[0][1])}: "
             f"{_first_line(failures[0][1])}); traced with torch.export instead"
         )
-        traced.notes.append(note)
-        warnings.warn(f"fxpipe: {note}", stacklevel=3)
+        notes.append(note)
+        warnings.warn(f"fxpipe: {note}", stacklevel=2)
+    traced.notes[:0] = notes
     return traced
 
 
-def _trace_fx(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Mapping[str, Any] | None) -> Traced:
+def _checked_binder(spec: CallSpec, key: TraceKey) -> Callable[[tuple, dict], list]:
+    """``bind_inputs`` for a trace: one value per placeholder, after checking that the call's
+    None pattern, constants, dtypes, ranks and structure are the traced ones."""
+    expected = key.unsized()
+
+    def bind_inputs(args: tuple, kwargs: dict) -> list:
+        bound = spec.bound(args, kwargs)
+        got = spec.key_of_bound(bound)
+        if got.unsized() != expected:
+            changes = "; ".join(expected.differences(got.unsized()))
+            raise SignatureError(
+                f"this call to {spec.owner}.forward is not the traced signature ({changes}); "
+                "the graph was specialised for the traced one: trace this call's signature too"
+            )
+        return spec.values(bound)
+
+    return bind_inputs
+
+
+# ----------------------------------------------------------------------------- fx
+@dataclass
+class _FxInputs:
+    """How the fx tracer sees a call: concrete_args, and per placeholder what it is."""
+
+    concrete: dict[str, Any]
+    # per placeholder fx creates, in order: (argument, leaf index or None) of an input,
+    # or None for a placeholder fx makes for a constant (removed after tracing)
+    layout: list[tuple[str, int | None] | None]
+    none_arguments: list[str]
+
+
+def _fx_inputs(signature: inspect.Signature, bound: inspect.BoundArguments, user_concrete: Mapping[str, Any]) -> _FxInputs:
+    """Constants (None, scalars, strings) become fx concrete_args; containers of tensors and
+    constants are concrete too, with a placeholder per tensor leaf; tensors and other
+    objects stay proxies."""
+    concrete: dict[str, Any] = {}
+    layout: list[tuple[str, int | None] | None] = []
+    none_arguments = []
+    for name, param in signature.parameters.items():
+        value = bound.arguments.get(name)
+        if name not in bound.arguments or param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            layout.append((name, None))
+            continue
+        if value is None:
+            none_arguments.append(name)
+        if name in user_concrete:
+            value = user_concrete[name]
+        leaves, spec = flat_leaves(value)
+        if isinstance(value, torch.Tensor) or not all(isinstance(x, torch.Tensor) or is_constant(x) for x in leaves):
+            layout.append((name, None))
+            continue
+        concrete[name] = pytree.tree_unflatten([fx.PH if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        layout += [(name, k) if isinstance(x, torch.Tensor) else None for k, x in enumerate(leaves)]
+    return _FxInputs(concrete, layout, none_arguments)
+
+
+def _trace_fx(
+    model: nn.Module,
+    signature: inspect.Signature,
+    bound: inspect.BoundArguments,
+    leaf_modules: Sequence[Any],
+    user_concrete: Mapping[str, Any],
+) -> Traced:
+    inputs = _fx_inputs(signature, bound, user_concrete)
     tracer = PipeTracer(leaf_modules)
-    with preserved_module_state(model), tracing():
-        graph = tracer.trace(model, concrete_args=dict(concrete_args) if concrete_args else None)
+    with preserved_module_state(model), tracing(), warnings.catch_warnings():
+        # fx cannot assert enum or device constants; the trace key guards them instead
+        warnings.filterwarnings("ignore", message="Was not able to add assertion")
+        graph = tracer.trace(model, concrete_args=inputs.concrete or None)
+        out_spec = _flat_codegen(graph)
+        picks = _keep_inputs_only(graph, tracer.placeholders, inputs.layout)
         # built before the model's attributes are restored: constants the tracer stored on
         # the root (``_tensor_constant0``) are copied into the GraphModule
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    signature = inspect.signature(model.forward)
-    # names and defaults only: the pipeline must not keep the traced graph (and through it
-    # the model's modules) alive
-    placeholders = [(n.target.lstrip("*"), n.args[0] if n.args else None) for n in graph.nodes if n.op == "placeholder"]
-    model_name = type(model).__name__
-
-    def bind_inputs(args: tuple, kwargs: dict) -> list:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as err:
-            raise TypeError(f"inputs do not match {model_name}.forward{signature}: {err}") from None
-        bound.apply_defaults()
-        return [bound.arguments.get(name, default) for name, default in placeholders]
-
-    return Traced(gm, gm, "fx", bind_inputs, lambda out: out)
+    _check_none_operands(model, gm, inputs, signature, bound, tracer)
+    spec = CallSpec(signature, type(model).__name__, tuple(picks), sizes=False)
+    key = spec.key_of_bound(bound)
+    build_output = _unflatten_with(out_spec) if out_spec is not None else _identity
+    return Traced(gm, gm, "fx", _checked_binder(spec, key), build_output, key, spec.key)
 
 
-def _dynamic_batch_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """Mark dim 0 of every batch-sized tensor input dynamic, so micro-batches of any size run."""
-    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0]
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _unflatten_with(spec: pytree.TreeSpec) -> Callable[[Any], Any]:
+    """The graph returns its output's leaves; this rebuilds what forward returns."""
+    return lambda flat: pytree.tree_unflatten(list(flat), spec)
+
+
+def _flat_codegen(graph: fx.Graph) -> pytree.TreeSpec | None:
+    """fx flattens inputs and outputs when concrete_args hold containers; keep the graph's
+    placeholders flat (stages are called with flat values) and return the output's spec."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    graph._codegen = fx.graph.CodeGen()
+    return info.out_spec
+
+
+def _keep_inputs_only(graph: fx.Graph, placeholders: list[fx.Node], layout: list[tuple[str, int | None] | None]) -> list[tuple[str, int | None]]:
+    """Drop the placeholders fx made for constants (with fx's assertions on them) and every
+    placeholder's default (each call binds every input, tensor defaults included: a default
+    embedded in the graph would be a constant). Returns the remaining placeholders' picks."""
+    if len(placeholders) != len(layout):
+        raise RuntimeError(f"fx made {len(placeholders)} placeholders for {len(layout)} expected inputs")
+    picks = []
+    for node, pick in zip(placeholders, layout):
+        defaults = [a for a in node.args if isinstance(a, fx.Node)]
+        if pick is None:
+            _erase_with_users(graph, node)
+        else:
+            node.args = ()
+            picks.append(pick)
+        for default in defaults:
+            if not default.users:
+                graph.erase_node(default)
+    return picks
+
+
+def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
+    doomed, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in doomed:
+                doomed.add(user)
+                stack.append(user)
+    for victim in reversed([n for n in graph.nodes if n in doomed]):
+        graph.erase_node(victim)
+
+
+# Python operators that raise for a None operand, as eager would at this line
+_NONE_REJECTING = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.neg, operator.pos, operator.lt, operator.le, operator.gt, operator.ge,
+    operator.and_, operator.or_, operator.xor, operator.getitem, operator.iadd, operator.imul,
+}
+
+
+def _check_none_operands(
+    model: nn.Module, gm: fx.GraphModule, inputs: _FxInputs, signature: inspect.Signature, bound: inspect.BoundArguments, tracer: PipeTracer
+) -> None:
+    """A None argument that reaches an arithmetic operator fails in eager too: say which
+    argument and which line, instead of a TypeError from deep inside compile."""
+    if not inputs.none_arguments:
+        return
+    culprit = next(
+        (n for n in gm.graph.nodes if n.op == "call_function" and n.target in _NONE_REJECTING and any(a is None for a in n.args)),
+        None,
+    )
+    if culprit is None:
+        return
+    line = _source_line_of(model, inputs, culprit, tracer.leaf_classes + tuple(tracer.leaf_names))
+    names = [a for a in inputs.none_arguments if line is None or a in line[1]] or inputs.none_arguments
+    where = f"{line[0]}: `{line[1]}`" if line else f"module '{culprit.meta.get(MODULE_PATH) or type(model).__name__}'"
+    raise TraceError(
+        f"{type(model).__name__}: argument {' or '.join(repr(a) for a in names)} is None in this call and reaches "
+        f"{getattr(culprit.target, '__name__', culprit.target)} at {where}; pass a tensor for it, or guard "
+        "the use with `if ... is not None:` (eager fails here too)"
+    )
+
+
+def _source_line_of(model: nn.Module, inputs: _FxInputs, node: fx.Node, leaf_modules: Sequence[Any]) -> tuple[str, str] | None:
+    """(file:line, code) of the user's line that made ``node``: trace again recording stack
+    traces (too slow to record on every trace) and find the node by name."""
+    tracer = PipeTracer(leaf_modules)
+    tracer.record_stack_traces = True
+    with preserved_module_state(model), tracing(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = tracer.trace(model, concrete_args=inputs.concrete or None)
+    again = next((n for n in graph.nodes if n.name == node.name), None)
+    return None if again is None else user_line(again.stack_trace or "")
+
+
+def user_line(stack_trace: str) -> tuple[str, str] | None:
+    """(``file:line``, code) of the innermost frame outside torch and fxpipe's passes in a
+    node's recorded ``stack_trace``, or None."""
+    lines = stack_trace.strip().splitlines()
+    for k in range(len(lines) - 1, -1, -1):
+        frame = re.match(r'\s*File "(.+)", line (\d+)', lines[k])
+        if frame and not _is_internal(frame.group(1)):
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{frame.group(1)}:{frame.group(2)}", code
+    return None
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(os.path.dirname(torch.__file__)) or "site-packages/torch" in filename or filename == __file__
+
+
+# ------------------------------------------------------------------------- export
+def _dynamic_batch_shapes(bound: inspect.BoundArguments) -> dict[str, Any] | None:
+    """Dim 0 of every batch-sized tensor input symbolic, so micro-batches of any size run."""
+    leaves = [x for x in pytree.tree_leaves(dict(bound.arguments)) if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not leaves:
         return None
     batch = leaves[0].shape[0]
-    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
 
     def spec(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
             return {0: torch.export.Dim.DYNAMIC}
         return None
 
-    return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
+    shapes = {}
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            shapes.update({k: pytree.tree_map(spec, v) for k, v in value.items()})  # export names them one by one
+        else:
+            shapes[name] = pytree.tree_map(spec, value)
+    return shapes
 
 
-def _trace_export(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+def _trace_export(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments, dynamic_batch: bool) -> Traced:
     notes: list[str] = []
+    # every argument is passed, defaults included: a tensor default is an input, never a
+    # constant baked into the graph (a call that overrides it must be seen)
+    args, kwargs = bound.args, bound.kwargs
+    program = None
     with preserved_module_state(model), tracing():
-        try:
-            program = torch.export.export(
-                model, args, kwargs, strict=False, dynamic_shapes=_dynamic_batch_shapes(model, args, kwargs)
-            )
-        except Exception as err:  # noqa: BLE001 - retry with the example's static shapes
-            notes.append(f"torch.export specialised the batch size ({_first_line(err)})")
+        shapes = _dynamic_batch_shapes(bound) if dynamic_batch else None
+        if shapes is not None:
+            try:
+                program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+            except Exception as err:  # noqa: BLE001 - retry with the example's static shapes
+                notes.append(f"torch.export specialised the batch size ({_first_line(err)})")
+        if program is None:
             program = torch.export.export(model, args, kwargs, strict=False)
     unlifted = program.module()
-    in_spec, out_spec = unlifted._in_spec, unlifted._out_spec
+    out_spec = unlifted._out_spec
     graph = fx.Graph()
-    value_map: dict[fx.Node, fx.Node] = {}
-    output = graph.graph_copy(unlifted.graph, value_map)
+    output = graph.graph_copy(unlifted.graph, {})
     graph.output(output)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    leaves = [(name, k) for name, value in bound.arguments.items() for k in range(len(flat_leaves(value)[0]))]
+    if len(placeholders) != len(leaves):
+        raise RuntimeError(f"torch.export made {len(placeholders)} placeholders for {len(leaves)} input leaves")
+    # sizes the graph keeps symbolic; every other size is baked in and part of the key
+    baked = {
+        pick: tuple(isinstance(s, int) for s in node.meta["val"].shape)
+        for node, pick in zip(placeholders, leaves)
+        if isinstance(node.meta.get("val"), torch.Tensor)
+    }
+    symbolic = not all(all(dims) for dims in baked.values())
     for node in list(graph.nodes):
         stack = node.meta.get("nn_module_stack")
         paths = [_clean_path(path) for path, _ in (stack or {}).values()]
         paths = [p for p in paths if not p.startswith("_empty_nn_module_stack")]
         node.meta[MODULE_PATH] = paths[-1] if paths else ""
-        # export's input-guard check: shapes are checked by fxpipe itself per micro-batch
-        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+        # export's input guards check the sizes and constants the graph baked in: a static
+        # trace's key holds them all, so they go; with symbolic sizes they check the rest
+        if not symbolic and node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)
+    picks = []
+    for node, pick in zip(placeholders, leaves):
+        if not node.users and not isinstance(node.meta.get("val"), torch.Tensor):
+            graph.erase_node(node)  # a constant the graph does not read: the key guards it
+        else:
+            picks.append(pick)
     bind_mode(graph, unlifted)
     graph.lint()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
-    signature = inspect.signature(model.forward)
-
-    def bind_inputs(call_args: tuple, call_kwargs: dict) -> list:
-        bound = signature.bind(*call_args, **call_kwargs)
-        bound.apply_defaults()
-        # export recorded how many inputs were positional and the keyword names, in order
-        num_positional = in_spec.child(0).num_children
-        keyword_names = in_spec.child(1).context if in_spec.num_children > 1 else []
-        names = list(bound.arguments)
-        positional = tuple(bound.arguments[n] for n in names[:num_positional])
-        keyword = {k: bound.arguments[k] for k in keyword_names}
-        return list(fx_pytree.tree_flatten_spec((positional, keyword), in_spec))
-
-    def build_output(flat: Any) -> Any:
-        return pytree.tree_unflatten(list(flat), out_spec)
-
-    return Traced(gm, unlifted, "export", bind_inputs, build_output, notes)
+    spec = CallSpec(signature, type(model).__name__, tuple(picks), sizes=True, baked=baked if symbolic else {})
+    key = spec.key_of_bound(bound)
+    return Traced(gm, unlifted, "export", _checked_binder(spec, key), _unflatten_with(out_spec), key, spec.key, notes)
 
 
 def _clean_path(path: str) -> str:
@@ -266,6 +562,7 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
 
 
+# ------------------------------------------------------------------------- errors
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
@@ -274,16 +571,14 @@ def _first_line(err: BaseException) -> str:
 def _where(model: nn.Module, err: BaseException) -> str:
     """The innermost module of ``model`` and the innermost user source line in the traceback."""
     paths = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
-    torch_dir = os.path.dirname(torch.__file__)
     module_path, line = None, None
     for frame, lineno in traceback.walk_tb(err.__traceback__):
         code = frame.f_code
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if owner is not None and id(owner) in paths:
             module_path = paths[id(owner)]
-        filename = frame.f_code.co_filename
-        if not filename.startswith(torch_dir) and "site-packages/torch" not in filename and __file__ != filename:
-            line = f"{filename}:{lineno}"
+        if not _is_internal(code.co_filename):
+            line = f"{code.co_filename}:{lineno}"
     parts = []
     if module_path:
         parts.append(f"module '{module_path}'")
@@ -292,10 +587,15 @@ def _where(model: nn.Module, err: BaseException) -> str:
     return ", ".join(parts) or "inside torch"
 
 
-def _failure_message(model: nn.Module, failures: list[tuple[str, BaseException]], fx_only: bool = False) -> str:
+def _failure_message(
+    model: nn.Module, failures: list[tuple[str, BaseException]], bound: inspect.BoundArguments, fx_only: bool = False
+) -> str:
     lines = [f"fxpipe could not trace {type(model).__name__}:"]
     for name, err in failures:
         lines.append(f"  {name} stopped in {_where(model, err)}: {_first_line(err)}")
+    nones = [name for name, value in bound.arguments.items() if value is None]
+    if nones and any("NoneType" in str(err) for _, err in failures):
+        lines.append(f"  the call passes None for {', '.join(repr(n) for n in nones)}: pass a tensor where forward uses it")
     lines.append(
         "Fixes: mark the module that fails as a leaf (Plan(leaf_modules=[ModuleClass or 'path.to.module'])),"
         " fix data-dependent Python control flow with Plan(concrete_args={...}),"
