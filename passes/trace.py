@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import linecache
 import logging
 import operator
 import os
@@ -364,7 +365,7 @@ def _trace_fx(
         # built before the model's attributes are restored: constants the tracer stored on
         # the root (``_tensor_constant0``) are copied into the GraphModule
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    _check_none_operands(model, gm, inputs, signature, bound, tracer)
+    _check_none_operands(model, gm, inputs, tracer)
     spec = CallSpec(signature, type(model).__name__, tuple(picks), sizes=False)
     key = spec.key_of_bound(bound)
     build_output = _unflatten_with(out_spec) if out_spec is not None else _identity
@@ -421,17 +422,16 @@ def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
         graph.erase_node(victim)
 
 
-# Python operators that raise for a None operand, as eager would at this line
+# Python operators that raise for a None operand (as eager does at that line), by symbol
 _NONE_REJECTING = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
-    operator.matmul, operator.neg, operator.pos, operator.lt, operator.le, operator.gt, operator.ge,
-    operator.and_, operator.or_, operator.xor, operator.getitem, operator.iadd, operator.imul,
+    operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/", operator.floordiv: "//",
+    operator.mod: "%", operator.pow: "**", operator.matmul: "@", operator.neg: "unary -", operator.pos: "unary +",
+    operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">=", operator.and_: "&", operator.or_: "|",
+    operator.xor: "^", operator.getitem: "[]", operator.iadd: "+=", operator.imul: "*=",
 }
 
 
-def _check_none_operands(
-    model: nn.Module, gm: fx.GraphModule, inputs: _FxInputs, signature: inspect.Signature, bound: inspect.BoundArguments, tracer: PipeTracer
-) -> None:
+def _check_none_operands(model: nn.Module, gm: fx.GraphModule, inputs: _FxInputs, tracer: PipeTracer) -> None:
     """A None argument that reaches an arithmetic operator fails in eager too: say which
     argument and which line, instead of a TypeError from deep inside compile."""
     if not inputs.none_arguments:
@@ -443,12 +443,17 @@ def _check_none_operands(
     if culprit is None:
         return
     line = _source_line_of(model, inputs, culprit, tracer.leaf_classes + tuple(tracer.leaf_names))
-    names = [a for a in inputs.none_arguments if line is None or a in line[1]] or inputs.none_arguments
-    where = f"{line[0]}: `{line[1]}`" if line else f"module '{culprit.meta.get(MODULE_PATH) or type(model).__name__}'"
-    raise TraceError(
-        f"{type(model).__name__}: argument {' or '.join(repr(a) for a in names)} is None in this call and reaches "
-        f"{getattr(culprit.target, '__name__', culprit.target)} at {where}; pass a tensor for it, or guard "
-        "the use with `if ... is not None:` (eager fails here too)"
+    where = f"module '{culprit.meta.get(MODULE_PATH) or type(model).__name__}'"
+    raise _none_error(type(model).__name__, inputs.none_arguments, _NONE_REJECTING[culprit.target], line, where)
+
+
+def _none_error(owner: str, nones: Sequence[str], op: str, line: tuple[str, str] | None, where: str) -> TraceError:
+    """The error for a None argument reaching an operator; names the arguments on the line."""
+    names = [a for a in nones if line is None or re.search(rf"\b{a}\b", line[1])] or list(nones)
+    at = f"{line[0]}: `{line[1]}`" if line else where
+    return TraceError(
+        f"{owner}: argument {' or '.join(repr(a) for a in names)} is None in this call and reaches {op} at {at}; "
+        "pass a tensor for it, or guard the use with `if ... is not None:` (eager fails here too)"
     )
 
 
@@ -568,34 +573,47 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _user_frame(err: BaseException) -> tuple[str, str] | None:
+    """(``file:line``, code) of the innermost frame outside torch and fxpipe in a traceback."""
+    found = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        if not _is_internal(frame.f_code.co_filename):
+            found = (frame.f_code.co_filename, lineno)
+    if found is None:
+        return None
+    return f"{found[0]}:{found[1]}", linecache.getline(found[0], found[1]).strip()
+
+
 def _where(model: nn.Module, err: BaseException) -> str:
     """The innermost module of ``model`` and the innermost user source line in the traceback."""
     paths = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
-    module_path, line = None, None
-    for frame, lineno in traceback.walk_tb(err.__traceback__):
+    module_path = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
         code = frame.f_code
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if owner is not None and id(owner) in paths:
             module_path = paths[id(owner)]
-        if not _is_internal(code.co_filename):
-            line = f"{code.co_filename}:{lineno}"
+    line = _user_frame(err)
     parts = []
     if module_path:
         parts.append(f"module '{module_path}'")
     if line:
-        parts.append(f"at {line}")
+        parts.append(f"at {line[0]}")
     return ", ".join(parts) or "inside torch"
 
 
 def _failure_message(
     model: nn.Module, failures: list[tuple[str, BaseException]], bound: inspect.BoundArguments, fx_only: bool = False
 ) -> str:
+    nones = [name for name, value in bound.arguments.items() if value is None]
+    last = failures[-1][1]
+    if nones and "NoneType" in str(last):
+        # the model fails on the None argument itself: eager would fail there too
+        operation = re.search(r"operand type\(s\) for (\S+):", str(last))
+        return str(_none_error(type(model).__name__, nones, operation.group(1) if operation else "an operation", _user_frame(last), _where(model, last)))
     lines = [f"fxpipe could not trace {type(model).__name__}:"]
     for name, err in failures:
         lines.append(f"  {name} stopped in {_where(model, err)}: {_first_line(err)}")
-    nones = [name for name, value in bound.arguments.items() if value is None]
-    if nones and any("NoneType" in str(err) for _, err in failures):
-        lines.append(f"  the call passes None for {', '.join(repr(n) for n in nones)}: pass a tensor where forward uses it")
     lines.append(
         "Fixes: mark the module that fails as a leaf (Plan(leaf_modules=[ModuleClass or 'path.to.module'])),"
         " fix data-dependent Python control flow with Plan(concrete_args={...}),"

@@ -3,41 +3,23 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from conftest import assert_grads_match, eager_microbatch_step
+from llm_models import VOCAB, gpt2, llama
 
 import fxpipe
-
-transformers = pytest.importorskip("transformers")
-
-VOCAB = 96
 
 
 def lm_loss(out, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
-def gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=3, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 @pytest.mark.parametrize(
     ("build", "split"),
-    [(gpt2, ["transformer.h.1", "transformer.h.2"]), (llama, ["model.layers.1", "model.layers.2"])],
+    [(gpt2, ["transformer.h.1", "transformer.h.2"]), (functools.partial(llama, 3), ["model.layers.1", "model.layers.2"])],
     ids=["gpt2", "llama"],
 )
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -111,11 +93,7 @@ def test_attention_mask_crosses_stages() -> None:
 
 
 def test_export_pipeline_follows_train_and_eval_like_the_model() -> None:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, use_cache=False,
-    )
-    model = transformers.GPT2LMHeadModel(config)  # traced in train mode: dropout active
+    model = gpt2(layers=2, dropout=0.3)  # traced in train mode: dropout active
     ids = torch.randint(0, VOCAB, (4, 8))
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["transformer.h.1"], microbatches=2)
     pipe = fxpipe.compile(model, plan, example_inputs=(ids,))
