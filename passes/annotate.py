@@ -14,6 +14,9 @@ split points A list of module paths: a new stage begins at the first node create
              each listed module (or one of its children), in program order.
 even         ``num_stages`` contiguous runs with the same number of compute nodes (the
              placeholder for ``split="auto"`` when no cost model is asked for).
+anchors      Another trace of the model (another input signature) cut where :func:`anchors`
+             found the stages of a first one (each stage's first compute node, named by
+             module path, op and occurrence), so a ``split="auto"`` cut never moves.
 In every mode placeholders are stage 0 and ``get_attr`` nodes (parameters, constants)
 take the earliest stage that uses them; the partition pass gives every other using stage
 its own reference, so parameters are never sent as activations.

@@ -56,8 +56,11 @@ class TensorSig:
         dtype = _SHORT_DTYPES.get(self.dtype, str(self.dtype).replace("torch.", ""))
         return f"{dtype}[{', '.join('*' if s is None else str(s) for s in self.shape)}]"
 
-    def unsized(self) -> TensorSig:
-        return TensorSig(self.dtype, (None,) * len(self.shape))
+    def batch_free(self, batch: int | None) -> TensorSig:
+        """The same without dim 0 when it is the batch (the dimension micro-batching cuts)."""
+        if self.shape and self.shape[0] == batch:
+            return TensorSig(self.dtype, (None, *self.shape[1:]))
+        return self
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,14 @@ class TraceKey:
             parts.append(f"{name}: {_render(pytree.tree_unflatten(list(leaves), spec))}")
         return ", ".join(parts)
 
-    def unsized(self) -> TraceKey:
-        """The key without sizes: what must match whatever the batch and sequence sizes."""
+    def batch_free(self) -> TraceKey:
+        """The key without the batch size: dim 0 of every tensor whose dim 0 is the first
+        tensor's (the batch, which micro-batching cuts; a symbolic one counts too). What a
+        whole batch and each of its micro-batches agree on."""
+        tensors = [d for _, _, leaves in self.arguments for d in leaves if isinstance(d, TensorSig) and d.shape]
+        batch = tensors[0].shape[0] if tensors else None
         return TraceKey(
-            tuple((n, s, tuple(d.unsized() if isinstance(d, TensorSig) else d for d in leaves)) for n, s, leaves in self.arguments)
+            tuple((n, s, tuple(d.batch_free(batch) if isinstance(d, TensorSig) else d for d in leaves)) for n, s, leaves in self.arguments)
         )
 
     def differences(self, other: TraceKey) -> list[str]:

@@ -14,12 +14,13 @@ Frontends
 What a trace specialises on is explicit (``passes/signature.py``): None and other
 non-tensor arguments are traced as constants (so ``if mask is None`` takes the call's
 branch), tensor defaults are bound at call time as inputs, and the export frontend traces
-at the example's sizes (``dynamic_batch=False``) or with dim 0 of batch-sized inputs
-symbolic (``dynamic_batch=True``: one trace serves every micro-batch size; export's own
-guards then check the sizes it baked at run time). ``Traced.key`` is the call's
-:class:`TraceKey`; ``Traced.key_of`` gives another call's key in the same terms, so a
-caller traces again exactly when a call's key is new. ``bind_inputs`` raises
-SignatureError for a call whose None pattern, constants, dtypes or structure differ.
+at the example's sizes (``dynamic_batch=False``: the key holds every size) or with dim 0
+of batch-sized inputs symbolic (``dynamic_batch=True``: one trace serves every micro-batch
+size, and export's guards stay in the graph to check at run time what the model assumed of
+it). ``Traced.key`` is the call's :class:`TraceKey`; ``Traced.key_of`` gives another
+call's key in the same terms, so a caller traces again exactly when a call's key is new.
+``bind_inputs`` raises SignatureError for a call whose None pattern, constants, dtypes,
+structure or baked sizes differ from the trace's (the batch size aside).
 
 Writes, per node: ``node.meta["custom"]["fxpipe_device"]`` (device_guard tags, recorded by
 ``torch.fx.traceback``) and ``node.meta[MODULE_PATH]``: the qualified name of the
@@ -27,9 +28,9 @@ innermost module whose forward created the node ("" for the root).
 
 Tracing never changes the model: module attributes are snapshotted before and restored
 after each trace, because some models (timm's levit, efficientformer) cache values in
-attributes while they run, which leaves proxies behind after a symbolic trace. torch's
-loggers are silenced below ERROR while a frontend tries the model (unless ``TORCH_LOGS``
-is set), so a failed attempt prints nothing.
+attributes while they run, which leaves proxies behind after a symbolic trace. A frontend
+tries the model quietly (:func:`quiet_attempt`): a failed attempt prints nothing, and the
+TraceError is a few lines naming the model's source line.
 """
 
 from __future__ import annotations
@@ -292,17 +293,18 @@ def trace(
 
 
 def _checked_binder(spec: CallSpec, key: TraceKey) -> Callable[[tuple, dict], list]:
-    """``bind_inputs`` for a trace: one value per placeholder, after checking that the call's
-    None pattern, constants, dtypes, ranks and structure are the traced ones."""
-    expected = key.unsized()
+    """``bind_inputs`` for a trace: one value per placeholder, after checking that the call
+    is the traced signature up to its batch size (None pattern, constants, dtypes, ranks,
+    structure and the sizes the trace baked, but dim 0 of batch-sized tensors: a whole
+    batch is bound here and then cut into micro-batches, whose sizes the caller matches)."""
+    expected = key.batch_free()
 
     def bind_inputs(args: tuple, kwargs: dict) -> list:
         bound = spec.bound(args, kwargs)
-        got = spec.key_of_bound(bound)
-        if got.unsized() != expected:
-            changes = "; ".join(expected.differences(got.unsized()))
+        got = spec.key_of_bound(bound).batch_free()
+        if got != expected:
             raise SignatureError(
-                f"this call to {spec.owner}.forward is not the traced signature ({changes}); "
+                f"this call to {spec.owner}.forward is not the traced signature ({'; '.join(expected.differences(got))}); "
                 "the graph was specialised for the traced one: trace this call's signature too"
             )
         return spec.values(bound)
@@ -334,10 +336,14 @@ def _fx_inputs(signature: inspect.Signature, bound: inspect.BoundArguments, user
         if name not in bound.arguments or param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             layout.append((name, None))
             continue
+        if name in user_concrete:
+            # the user's own concrete_args, as torch.fx takes them (fx.PH leaves stay inputs)
+            concrete[name] = user_concrete[name]
+            leaves = flat_leaves(user_concrete[name])[0]
+            layout += [(name, k) if isinstance(x, type(fx.PH)) else None for k, x in enumerate(leaves)]
+            continue
         if value is None:
             none_arguments.append(name)
-        if name in user_concrete:
-            value = user_concrete[name]
         leaves, spec = flat_leaves(value)
         if isinstance(value, torch.Tensor) or not all(isinstance(x, torch.Tensor) or is_constant(x) for x in leaves):
             layout.append((name, None))
@@ -538,19 +544,28 @@ def _trace_export(model: nn.Module, signature: inspect.Signature, bound: inspect
         if isinstance(node.meta.get("val"), torch.Tensor)
     }
     symbolic = not all(all(dims) for dims in baked.values())
+    # the call's constants (None, flags, ints): the key guards them, the graph needs no input
+    constants = {
+        node: flat_leaves(bound.arguments[name])[0][k]
+        for node, (name, k) in zip(placeholders, leaves)
+        if not isinstance(node.meta.get("val"), torch.Tensor)
+    }
     for node in list(graph.nodes):
         stack = node.meta.get("nn_module_stack")
         paths = [_clean_path(path) for path, _ in (stack or {}).values()]
         paths = [p for p in paths if not p.startswith("_empty_nn_module_stack")]
         node.meta[MODULE_PATH] = paths[-1] if paths else ""
-        # export's input guards check the sizes and constants the graph baked in: a static
-        # trace's key holds them all, so they go; with symbolic sizes they check the rest
-        if not symbolic and node.op == "call_module" and str(node.target).startswith("_guards_fn"):
-            graph.erase_node(node)
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            if symbolic:
+                # one trace runs every batch size: export's guards check, per micro-batch,
+                # whatever it assumed of the sizes it kept symbolic (a branch on them)
+                node.args = tuple(constants.get(a, a) for a in node.args)
+            else:
+                graph.erase_node(node)  # static: the key holds every size and constant it checks
     picks = []
     for node, pick in zip(placeholders, leaves):
-        if not node.users and not isinstance(node.meta.get("val"), torch.Tensor):
-            graph.erase_node(node)  # a constant the graph does not read: the key guards it
+        if node in constants and not node.users:
+            graph.erase_node(node)
         else:
             picks.append(pick)
     bind_mode(graph, unlifted)

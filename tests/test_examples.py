@@ -91,3 +91,13 @@ def test_heterogeneous_placement_keeps_the_table_off_the_small_accelerator(tmp_p
         for s in r.stages:
             assert s.measured_time > 0 and s.measured_memory > 0
     assert plot.stat().st_size > 0
+
+
+def test_llm_example_trains_gpt2_equal_to_eager(tmp_path):
+    # one sequence length (batches of two sizes) until the compiler compiles per input
+    # signature; then drop "--lengths" to train on the example's four lengths
+    drawing = tmp_path / "split.png"
+    result = example("llm").main(["--smoke", "--lengths", "16", "--draw", str(drawing)])
+    assert len(result["losses"]) == 6
+    assert result["largest_difference"] < 1e-4
+    assert drawing.stat().st_size > 0

@@ -199,15 +199,31 @@ def test_branch_on_sequence_length_is_followed_on_both_sides() -> None:
     assert stages.frontend == "export" and stages.traces == 4  # 6, 12, 9, 8: one trace per length
 
 
-def test_dynamic_batch_trace_keeps_export_guards_for_the_sizes_it_baked() -> None:
+@pytest.mark.parametrize("dynamic_batch", [True, False])
+def test_a_call_at_another_length_is_rejected_not_run_on_the_wrong_branch(dynamic_batch: bool) -> None:
     x = torch.randn(4, 6, 4)
-    traced = trace(LengthBranch(), (x,), dynamic_batch=True)
-    assert str(traced.key) == "x: f32[*, 6, 4]"
-    assert traced.key_of((torch.randn(3, 6, 4),)) == traced.key  # any batch size
+    traced = trace(LengthBranch(), (x,), dynamic_batch=dynamic_batch)
+    assert str(traced.key) == ("x: f32[*, 6, 4]" if dynamic_batch else "x: f32[4, 6, 4]")
+    assert (traced.key_of((torch.randn(3, 6, 4),)) == traced.key) == dynamic_batch
+    traced.bind_inputs((torch.randn(8, 6, 4),), {})  # a whole batch of any size binds: micro-batches are the caller's
     longer = torch.randn(4, 12, 4)
     assert traced.key_of((longer,)) != traced.key
-    with pytest.raises(Exception, match="Guard failed"):  # never the wrong branch silently
-        traced.graph_module(*traced.bind_inputs((longer,), {}))
+    with pytest.raises(SignatureError, match=r"x: f32\[\*, 6, 4\] -> f32\[\*, 12, 4\]"):
+        traced.bind_inputs((longer,), {})
+
+
+def test_a_branch_on_the_batch_size_is_checked_whatever_the_mode() -> None:
+    class BatchBranch(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if x.shape[0] > 5 else x
+
+    static = trace(BatchBranch(), (torch.randn(6, 4),), frontend="export", dynamic_batch=False)
+    assert static.key_of((torch.randn(3, 4),)) != static.key  # the batch size is in the key
+    dynamic = trace(BatchBranch(), (torch.randn(6, 4),), frontend="export", dynamic_batch=True)
+    assert "_guards_fn" in dynamic.graph_module.code  # export's guard runs with the graph
+    torch.testing.assert_close(dynamic.graph_module(torch.ones(7, 4))[0], torch.full((7, 4), 2.0))
+    with pytest.raises(Exception, match=r"Guard failed: x.size\(\)\[0\]"):
+        dynamic.graph_module(torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("dynamic_batch", [True, False])
