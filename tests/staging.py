@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from conftest import assert_grads_match
 from fxpipe.passes import annotate
 from fxpipe.passes.codegen import build_stage_module, stage_graph
 from fxpipe.passes.generalise import check_generalises
@@ -127,16 +128,5 @@ def check_against_eager(
     loss = probe_loss(out, probe)
     loss.backward()
     probe_loss(expected, probe).backward()
-    assert_same_grads(stages.model, ref, rtol=max(rtol, 1e-6), atol=max(atol, 1e-8))
+    assert_grads_match(stages.model, ref, rtol=max(rtol, 1e-6), atol=max(atol, 1e-8))
     return logits_of(out).detach()
-
-
-def assert_same_grads(model: nn.Module, ref: nn.Module, rtol: float, atol: float) -> None:
-    expected = dict(ref.named_parameters())
-    for name, param in model.named_parameters():
-        want = expected[name].grad
-        if want is None:
-            assert param.grad is None or not param.grad.abs().any(), name
-            continue
-        assert param.grad is not None, f"{name} has no gradient"
-        torch.testing.assert_close(param.grad, want, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad of {n}: {m}")
