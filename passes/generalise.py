@@ -53,7 +53,10 @@ def eager_on_fake(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> A
             **dict(model.named_buffers(remove_duplicate=False)),
         }
         fakes = {name: mode.from_tensor(t, static_shapes=True) for name, t in state.items()}
-        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), (tuple(args), dict(kwargs)))
+        on_meta = any(t.is_meta for t in state.values())
+        fake_args, fake_kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: mode.from_tensor(t.to("meta") if on_meta else t, static_shapes=True), (tuple(args), dict(kwargs))
+        )
         with preserved_module_state(model):
             return torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
 
@@ -81,6 +84,8 @@ def check_generalises(
     except Exception:  # noqa: BLE001 - data-dependent: fake tensors cannot say
         return False
     gm = traced.graph_module
+    if any(t.is_meta for t in model.parameters()):  # a model built on the meta device
+        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
     propagate_shapes(gm, inputs, resolve)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     got = traced.build_output(torch.fx.map_arg(output.args[0], lambda n: n.meta.get(VAL)))

@@ -142,6 +142,14 @@ def test_check_generalises_leaves_the_model_and_the_rng_alone() -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_check_generalises_checks_a_model_built_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = Stack()
+    ids = torch.randint(0, 32, (2, 5))
+    traced = trace(model, (ids,), frontend="export", dynamic_batch=False)
+    assert check_generalises(model, traced, (ids,)) is True
+
+
 def test_check_generalises_says_when_fake_tensors_cannot_tell() -> None:
     class Selects(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
