@@ -106,6 +106,14 @@ class Traced:
     notes: list[str] = field(default_factory=list)
 
 
+class _Proxy(fx.Proxy):
+    """An fx Proxy that records item assignment (``self.history[i] = x`` on a buffer, now
+    that buffers are proxies) as ``operator.setitem``, which writes in place at run time."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class PipeTracer(fx.Tracer):
     """fx tracer that keeps nn.Module calls and treats ``leaf_modules`` as opaque.
 
@@ -123,6 +131,9 @@ class PipeTracer(fx.Tracer):
         self.path_stack: list[str] = [""]
         self.placeholders: list[fx.Node] = []
         self._tensor_names: dict[int, str] | None = None
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self.placeholders = []

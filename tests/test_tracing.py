@@ -306,6 +306,26 @@ def test_buffer_derived_values_follow_to_and_in_place_updates_at_the_stage_level
     torch.testing.assert_close(staged.traced.build_output(out), doubled(x.double()))
 
 
+def test_item_assignment_into_a_buffer_is_recorded_under_fx() -> None:
+    class History(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("history", torch.zeros(3, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.history[1] = x.detach().mean(0)
+            return self.lin(x) + self.history.sum(0)
+
+    model = History()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    traced = trace(model, (x,), frontend="fx")
+    assert torch.equal(model.history, ref.history)  # tracing wrote nothing
+    torch.testing.assert_close(traced.graph_module(x), ref(x))
+    torch.testing.assert_close(traced.graph_module.history, ref.history)  # written at run time
+
+
 # ------------------------------------------------------------ frontends, quietly
 def test_huggingface_model_traces_with_export_without_warnings_or_output(capfd: pytest.CaptureFixture) -> None:
     model = pytest.importorskip("llm_models").gpt2()
