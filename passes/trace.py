@@ -342,9 +342,13 @@ def _fx_inputs(signature: inspect.Signature, bound: inspect.BoundArguments, user
     concrete: dict[str, Any] = {}
     layout: list[tuple[str, int | None] | None] = []
     none_arguments = []
-    for name, param in signature.parameters.items():
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    # fx makes the named arguments' placeholders first (keyword-only ones included), then
+    # *args, then **kwargs
+    ordered = sorted(signature.parameters.items(), key=lambda item: item[1].kind in variadic)
+    for name, param in ordered:
         value = bound.arguments.get(name)
-        if name not in bound.arguments or param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if name not in bound.arguments or param.kind in variadic:
             layout.append((name, None))
             continue
         if name in user_concrete:
@@ -416,6 +420,8 @@ def _keep_inputs_only(graph: fx.Graph, placeholders: list[fx.Node], layout: list
         raise RuntimeError(f"fx made {len(placeholders)} placeholders for {len(layout)} expected inputs")
     picks = []
     for node, pick in zip(placeholders, layout):
+        if pick is not None and not str(node.target).lstrip("*").startswith(pick[0]):
+            raise RuntimeError(f"fx's placeholder {node.target!r} is not the expected input {pick[0]!r}")
         defaults = [a for a in node.args if isinstance(a, fx.Node)]
         if pick is None:
             _erase_with_users(graph, node)

@@ -400,3 +400,22 @@ def test_trace_key_tells_constants_apart_and_absent_from_default() -> None:
     assert "mul" not in traced.graph_module.code  # the branch of flag=False, as a constant
     with pytest.raises(SignatureError, match="flag: False -> True"):
         traced.bind_inputs((x,), {})
+
+
+def test_keyword_only_arguments_after_varargs_bind_to_their_own_placeholders() -> None:
+    class KeywordOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, *rest: torch.Tensor, flag: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+            y = self.lin(x)
+            if mask is not None:
+                y = y * mask
+            return y * 2 if flag else y
+
+    model, x = KeywordOnly(), torch.randn(2, 4)
+    for kwargs in ({}, {"flag": False}, {"mask": torch.rand(2, 4)}, {"flag": False, "mask": torch.rand(2, 4)}):
+        traced = trace(model, (x,), kwargs, frontend="fx")
+        torch.testing.assert_close(traced.graph_module(*traced.bind_inputs((x,), kwargs)), model(x, **kwargs))
+
