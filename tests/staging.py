@@ -18,6 +18,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from conftest import assert_grads_match
+from torch import nn
+
+import fxpipe
+from fxpipe.costs import auto_split, ensure_costs, lookup
 from fxpipe.passes import annotate
 from fxpipe.passes.codegen import build_stage_module, stage_graph
 from fxpipe.passes.generalise import check_generalises
@@ -25,10 +29,6 @@ from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.partition import PartitionedGraph, partition
 from fxpipe.passes.signature import TraceKey
 from fxpipe.passes.trace import Traced, trace
-from torch import nn
-
-import fxpipe
-from fxpipe.costs import auto_split, ensure_costs, lookup
 
 
 @dataclass

@@ -7,11 +7,6 @@ import copy
 
 import pytest
 import torch
-from fxpipe.passes import annotate
-from fxpipe.passes.generalise import TraceMismatch, check_generalises
-from fxpipe.passes.meta import STAGE
-from fxpipe.passes.shape_prop import propagate_shapes
-from fxpipe.passes.trace import trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from staging import SignatureStages, check_against_eager
@@ -20,6 +15,11 @@ from torch.nn import functional as F
 
 import fxpipe
 from fxpipe.costs import auto_split, ensure_costs, lookup
+from fxpipe.passes import annotate
+from fxpipe.passes.generalise import TraceMismatch, check_generalises
+from fxpipe.passes.meta import STAGE
+from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.trace import trace
 
 
 class Block(nn.Module):

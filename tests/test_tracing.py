@@ -10,12 +10,12 @@ import pytest
 import torch
 import torchvision
 from conftest import check_pipeline_matches_eager
-from fxpipe.passes.signature import SignatureError, trace_key
-from fxpipe.passes.trace import trace
 from staging import SignatureStages, check_against_eager
 from torch import nn
 
 import fxpipe
+from fxpipe.passes.signature import SignatureError, trace_key
+from fxpipe.passes.trace import trace
 
 
 class CachesProxies(nn.Module):
