@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import ScheduleError, gpipe, make_schedule, one_f_one_b
-from fxpipe.simulate import simulate
 from fxpipe.timeline import Event, Timeline
 
 

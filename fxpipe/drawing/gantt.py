@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe import format as fmt
-from fxpipe.timeline import COMPUTE_OPS, Event, Timeline
+from fxpipe.timeline import WORK_OPS, Event, Timeline
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> None:
@@ -21,7 +21,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
 
     span = max(t.step_time for t in timelines) or 1.0
     scale, unit = fmt.time_unit(span)
-    compute = [e for t in timelines for e in t.events if e.op in COMPUTE_OPS]
+    compute = [e for t in timelines for e in t.events if e.op in WORK_OPS]
     per_row = max(
         (sum(e.worker == w for e in t.events) for t in timelines for w in range(t.num_workers)),
         default=0,
@@ -42,17 +42,14 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
         multi_chunk |= _draw(timeline, ax, scale, label_size)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     axes[-1, 0].set_xlim(0, span * scale * 1.01)
-    legend = [
-        Patch(color=_COLOURS["F"][0], label="forward"),
-        Patch(color=_COLOURS["B"][0], label="backward"),
-        Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)"),
-    ]
+    ops = [op for op in WORK_OPS if any(e.op == op for e in compute)]
+    legend = [Patch(color=_COLOURS[op][0], label=_OP_LABELS[op]) for op in ops]
+    legend.append(
+        Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)")
+    )
     if multi_chunk:
-        legend += [
-            Patch(color=_COLOURS["F"][1], label="forward, later chunk"),
-            Patch(color=_COLOURS["B"][1], label="backward, later chunk"),
-        ]
-    if any(e.op not in COMPUTE_OPS for t in timelines for e in t.events):
+        legend += [Patch(color=_COLOURS[op][1], label=f"{_OP_LABELS[op]}, later chunk") for op in ops]
+    if any(e.op not in WORK_OPS for t in timelines for e in t.events):
         legend.append(Patch(color=_COMM_COLOUR, label="send / recv"))
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), frameon=False)
     if title:
@@ -75,7 +72,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
         (w, s): k for w, stages in stages_of.items() for k, s in enumerate(sorted(stages))
     }
     devices = {e.worker: e.device for e in timeline.events if e.device}
-    # A hatched band under each row: whatever forwards and backwards leave uncovered
+    # A hatched band under each row: whatever the actions leave uncovered
     # is the worker's idle time, the pipeline bubble.
     for worker in range(timeline.num_workers):
         ax.barh(
@@ -84,7 +81,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
         )
     for e in timeline.events:
         left, width = (e.start - origin) * scale, e.duration * scale
-        if e.op not in COMPUTE_OPS:
+        if e.op not in WORK_OPS:
             ax.barh(e.worker + 0.38, width, left=left, height=0.1, color=_COMM_COLOUR)
             continue
         shades = _COLOURS[e.op]
@@ -120,11 +117,15 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
     return any(len(stages) > 1 for stages in stages_of.values())
 
 
-# Forward blues and backward oranges, one shade per chunk a worker holds.
+# Forward blues, backward oranges, input-gradient (I) reds and weight-gradient (W) greens,
+# one shade per chunk a worker holds.
 _COLOURS = {
     "F": ("#3a78b5", "#1f4e79", "#6fa3d6", "#0f2d4a"),
     "B": ("#e07b28", "#a3520f", "#f0a868", "#6b3306"),
+    "I": ("#c8414b", "#8c1c25", "#e27b82", "#5a0f15"),
+    "W": ("#3d9a5b", "#1f6b3a", "#79c493", "#0f4023"),
 }
+_OP_LABELS = {"F": "forward", "B": "backward", "I": "input gradients (I)", "W": "weight gradients (W)"}
 _COMM_COLOUR = "#9a9a9a"
 _IDLE_COLOUR = "#f4f4f5"
 _IDLE_EDGE = "#d4d4d8"
