@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,39 +30,51 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
     # Wide enough for a readable box per action, up to a size a screen still shows.
     width = min(30.0, max(12.0, 0.3 * per_row))
     rows = sum(t.num_workers for t in timelines)
-    fig, axes = plt.subplots(
-        len(timelines),
-        1,
-        sharex=True,
-        squeeze=False,
-        figsize=(width, 1.2 + 0.45 * rows + 0.6 * len(timelines)),
-    )
+    entries = legend_entries(timelines)
+    # As many legend rows as the labels need at this width, under the time axis.
+    needed = sum(_LEGEND_ENTRY_INCHES + _LEGEND_CHAR_INCHES * len(e["label"]) for e in entries)
+    legend_rows = math.ceil(needed / (0.95 * width))
+    height = 1.2 + 0.45 * rows + 0.6 * len(timelines) + 0.3 * legend_rows
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False, figsize=(width, height))
     label_size = _label_size(compute, points_per_second=width * 72 * 0.8 / span)
-    multi_chunk = False
     for ax, timeline in zip(axes[:, 0], timelines):
-        multi_chunk |= _draw(timeline, ax, scale, label_size)
+        _draw(timeline, ax, scale, label_size)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     axes[-1, 0].set_xlim(0, span * scale * 1.01)
-    ops = [op for op in WORK_OPS if any(e.op == op for e in compute)]
-    legend = [Patch(color=_COLOURS[op][0], label=_OP_LABELS[op]) for op in ops]
-    legend.append(
-        Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)")
+    fig.legend(
+        handles=[Patch(**entry) for entry in entries],
+        loc="lower center",
+        ncol=math.ceil(len(entries) / legend_rows),
+        frameon=False,
     )
-    if multi_chunk:
-        legend += [Patch(color=_COLOURS[op][1], label=f"{_OP_LABELS[op]}, later chunk") for op in ops]
-    if any(e.op not in WORK_OPS for t in timelines for e in t.events):
-        legend.append(Patch(color=_COMM_COLOUR, label="send / recv"))
-    fig.legend(handles=legend, loc="upper right", ncol=len(legend), frameon=False)
     if title:
         fig.suptitle(title, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, (0.1 + 0.3 * legend_rows) / height, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -> bool:
-    """Draws the rows of this timeline on ``ax``; returns whether a worker holds
-    several stages (so the legend explains the chunk shades)."""
+def legend_entries(timelines: Sequence[Timeline]) -> list[dict[str, Any]]:
+    """The legend's patches as ``matplotlib.patches.Patch`` keyword arguments: each op the
+    timelines hold in its colour, the idle hatch, the later-chunk shades when a worker holds
+    several stages, and sends/receives when there are any."""
+    ops = [op for op in WORK_OPS if any(e.op == op for t in timelines for e in t.events)]
+    multi_chunk = any(
+        len({(e.worker, e.stage) for e in t.events}) > len({e.worker for e in t.events}) for t in timelines
+    )
+    entries: list[dict[str, Any]] = [{"color": _COLOURS[op][0], "label": _OP_LABELS[op]} for op in ops]
+    entries.append(
+        {"facecolor": _IDLE_COLOUR, "edgecolor": _IDLE_EDGE, "hatch": "////", "linewidth": 0, "label": "idle (bubble)"}
+    )
+    if multi_chunk:
+        entries += [{"color": _COLOURS[op][1], "label": f"{_OP_LABELS[op]}, later chunk"} for op in ops]
+    if any(e.op not in WORK_OPS for t in timelines for e in t.events):
+        entries.append({"color": _COMM_COLOUR, "label": "send / recv"})
+    return entries
+
+
+def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -> None:
+    """Draws the rows of this timeline on ``ax``."""
     origin = min((e.start for e in timeline.events), default=0.0)
     stages_of: dict[int, list[int]] = defaultdict(list)
     for e in timeline.events:
@@ -114,7 +127,6 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
     ax.set_title(timeline.title(), fontsize=10, loc="left")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    return any(len(stages) > 1 for stages in stages_of.values())
 
 
 # Forward blues, backward oranges, input-gradient (I) reds and weight-gradient (W) greens,
@@ -127,6 +139,10 @@ _COLOURS = {
 }
 _OP_LABELS = {"F": "forward", "B": "backward", "I": "input gradients (I)", "W": "weight gradients (W)"}
 _COMM_COLOUR = "#9a9a9a"
+# A legend entry's width in inches at matplotlib's default sizes: handle and spacing, and
+# per character of its label.
+_LEGEND_ENTRY_INCHES = 0.7
+_LEGEND_CHAR_INCHES = 0.08
 _IDLE_COLOUR = "#f4f4f5"
 _IDLE_EDGE = "#d4d4d8"
 
