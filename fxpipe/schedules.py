@@ -596,6 +596,11 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
         ScheduleError: for an unknown name, a ``chunks`` the schedule does not take,
             ``num_stages`` not divisible by ``chunks``, or a count below 1.
     """
+    if not isinstance(name, str):
+        raise ScheduleError(
+            f"make_schedule builds the schedules named in SCHEDULES, got {describe_schedule(name)}; "
+            "resolve_schedule takes lists of actions and functions too"
+        )
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name in _ONE_STAGE_PER_WORKER:
@@ -710,7 +715,7 @@ def describe_schedule(spec: ScheduleSpec) -> str:
         return spec
     if callable(spec):
         return getattr(spec, "__qualname__", type(spec).__name__)
-    return f"custom schedule ({len(spec)} workers)"
+    return f"custom schedule ({len(spec)} worker{'' if len(spec) == 1 else 's'})"
 
 
 def forward_only(actions: Sequence[Sequence[Action]]) -> Schedule:
