@@ -44,8 +44,8 @@ from fxpipe.passes.cost import NodeCost, cost_of
 from fxpipe.passes.meta import COMPUTE_OPS, COST, EDGE, MEASURED, REASON, STAGE, VAL
 from fxpipe.passes.shape_prop import tensor_bytes
 from fxpipe.plan import DeviceSpec, Plan, PlanError
+from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
-from fxpipe.simulate import simulate
 
 CPU_FLOPS_PER_CORE = 40e9
 CPU_ACTION_LATENCY = 100e-6  # thread hand-off and autograd call per action, measured on the local executor

@@ -9,8 +9,9 @@ from typing import Any
 
 from fxpipe.devices import normalize_device
 from fxpipe.microbatch import MERGE_MODES
+from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, as_schedule, microbatch_count
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
+DEFAULT_MICROBATCHES = 4
 FRONTENDS = ("auto", "fx", "export")
 
 
@@ -43,9 +44,14 @@ class Plan:
         or one logical device per stage.
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
-    schedule: "gpipe" | "1f1b" | "interleaved-1f1b".
-    microbatches: the batch (dim 0) is cut into this many micro-batches.
-    chunks: stages per device for interleaved schedules.
+    schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1" | "zb-v" (with
+        chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
+        function ``(num_stages, num_microbatches)`` returning such lists. Your own is
+        checked (complete, deadlock-free) before anything runs; its lists place the stages
+        (worker ``w`` runs the stages in list ``w``). See docs/schedules.md.
+    microbatches: the batch (dim 0) is cut into this many micro-batches; default 4, or,
+        when ``schedule`` is given as lists of actions, the count those lists run.
+    chunks: stages per device: any for "interleaved-1f1b", 2 for "zb-v".
     checkpoint: recompute each stage's activations in backward instead of keeping them.
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
@@ -62,8 +68,8 @@ class Plan:
 
     devices: Sequence[str] | None = None
     split: str | Sequence[str] = "tags"
-    schedule: str = "1f1b"
-    microbatches: int = 4
+    schedule: ScheduleSpec = "1f1b"
+    microbatches: int | None = None
     chunks: int = 1
     checkpoint: bool = False
     device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
@@ -88,16 +94,20 @@ class Plan:
             self.split = list(self.split)
             if not all(isinstance(s, str) and s for s in self.split):
                 raise PlanError(f"plan.split must list module paths as strings, got {self.split!r}")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+        self._check_schedule()
         for name in ("microbatches", "chunks", "data_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan.{name} = {value!r}: must be a positive integer")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
-        if self.chunks > 1 and self.schedule != "interleaved-1f1b":
-            raise PlanError(f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (got {self.schedule!r})")
+        if self.schedule == "zb-v" and self.chunks != 2:
+            raise PlanError(f"plan.schedule = 'zb-v' runs two stages per device in a V: set chunks=2 (got chunks={self.chunks})")
+        if self.chunks > 1 and isinstance(self.schedule, str) and self.schedule not in ("interleaved-1f1b", "zb-v"):
+            raise PlanError(
+                f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (any chunks) or 'zb-v' "
+                f"(chunks=2), got {self.schedule!r}"
+            )
         if self.frontend not in FRONTENDS:
             raise PlanError(f"plan.frontend = {self.frontend!r}: choose one of {', '.join(FRONTENDS)}")
         self.device_specs = {normalize_device(k, f"plan.device_specs[{k!r}]"): v for k, v in dict(self.device_specs).items()}
@@ -111,6 +121,33 @@ class Plan:
                     f"plan.output_merge[{path!r}] = {mode!r}: map output paths (strings such as '1' or 'aux') "
                     f"to one of {', '.join(MERGE_MODES)}"
                 )
+
+    def _check_schedule(self) -> None:
+        """Types only (whether a schedule runs needs the stage count: ``resolve_schedule``).
+        A schedule given as lists of actions is copied and fixes ``microbatches``."""
+        if isinstance(self.schedule, str):
+            if self.schedule not in SCHEDULES:
+                raise PlanError(
+                    f"plan.schedule = {self.schedule!r}: choose one of {', '.join(SCHEDULES)}, or write your "
+                    "own: a list of fxpipe.Action lists (one per device) or a function "
+                    "(num_stages, num_microbatches) -> such lists"
+                )
+        elif not callable(self.schedule):
+            try:
+                self.schedule = as_schedule(self.schedule, "plan.schedule")
+            except ScheduleError as err:
+                raise PlanError(str(err)) from None
+            runs = microbatch_count(self.schedule)
+            if self.microbatches is None:
+                self.microbatches = runs
+            elif self.microbatches != runs:
+                raise PlanError(
+                    f"plan.microbatches = {self.microbatches!r}, but plan.schedule runs {runs} micro-batches; "
+                    "leave microbatches out (the lists fix it), or give a function "
+                    "(num_stages, num_microbatches) -> schedule to serve any count"
+                )
+        if self.microbatches is None:
+            self.microbatches = DEFAULT_MICROBATCHES
 
     @classmethod
     def coerce(cls, plan: Plan | Mapping[str, Any] | None) -> Plan:

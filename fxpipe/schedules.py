@@ -1,9 +1,12 @@
 """Pipeline schedules as data: one list of actions per worker, and the proof that it runs.
 
 A schedule is a ``list[list[Action]]``: list ``w`` is what worker ``w`` executes, in
-order. The generators below build GPipe, 1F1B and interleaved 1F1B; ``check_schedule``
-proves that a list is complete and cannot deadlock. The simulator and both executors
-interpret the same lists, and ``StageGraph`` is the one dependency rule they all share.
+order. The generators below build GPipe, 1F1B, interleaved 1F1B and the zero-bubble
+schedules ZB-H1 and ZB-V; a user may write their own (``resolve_schedule`` accepts a name,
+lists of actions or a function returning them). ``check_schedule`` proves that a list is
+complete and cannot deadlock. The simulator and both executors interpret the same lists;
+``StageGraph`` and ``execution_order`` are the one dependency rule they all share, and the
+schedule itself says which worker runs which stage (``stage_workers``).
 
 Plain Python over stage and micro-batch indices: nothing here imports torch.
 """
@@ -11,11 +14,11 @@ Plain Python over stage and micro-batch indices: nothing here imports torch.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-OPS = ("F", "B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+OPS = ("F", "B", "I", "W")
 
 
 class ScheduleError(ValueError):
@@ -24,7 +27,13 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one worker: the forward ("F") or backward ("B") of a stage on a micro-batch."""
+    """One step of one worker: an op of one stage on one micro-batch.
+
+    ``op`` is "F" (forward), "B" (backward: input and weight gradients at once), "I" (the
+    gradients of the stage's inputs only, which the stages before it wait for) or "W" (the
+    weight gradients an "I" left, run later on the same worker). A stage's backward of a
+    micro-batch runs either as one "B" or as an "I" and, after it, a "W".
+    """
 
     op: str
     stage: int
@@ -33,12 +42,21 @@ class Action:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ScheduleError(f"Action op must be one of {OPS}, got {self.op!r}")
+        # the exact-int test first: generators and checkers make many thousands of actions
+        if type(self.stage) is int and type(self.microbatch) is int and self.stage >= 0 and self.microbatch >= 0:
+            return
+        for name in ("stage", "microbatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleError(f"Action {name} must be an int >= 0, got {value!r}")
 
     def __str__(self) -> str:
         return f"{self.op}{self.stage}:{self.microbatch}"
 
 
 Schedule = list[list[Action]]
+# What Plan.schedule holds: a name, a schedule as data, or a function of (stages, micro-batches).
+ScheduleSpec = str | Sequence[Sequence[Action]] | Callable[[int, int], Sequence[Sequence[Action]]]
 
 
 def _check_positive(**counts: int) -> None:
@@ -171,12 +189,151 @@ def interleaved_1f1b(num_workers: int, num_microbatches: int, chunks: int) -> Sc
     return schedule
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each
+    backward split into "I" and "W", the W's moved into what would be bubbles.
+
+    Worker ``w`` runs stage ``w`` in 1F1B's order, "I" in place of "B":
+    ``min(p - w - 1, m)`` warm-up forwards, then one forward and one "I" in turn, then the
+    remaining "I"s. The "W" of each micro-batch follows the "I" of the micro-batch ``w``
+    later (the rest close the list), so the deferred W's fill the cool-down, where 1F1B
+    waits for gradients. With unit-time F, I and W, 3 stages and 5 micro-batches::
+
+        tick      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16
+        worker 0  F0 F1 F2 .  .  I0 W0 F3 I1 W1 F4 I2 W2 I3 W3 I4 W4
+        worker 1  .  F0 F1 .  I0 F2 I1 W0 F3 I2 W1 F4 I3 W2 I4 W3 W4
+        worker 2  .  .  F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 F4 I4 W2 W3 W4
+
+    For ``m >= p`` the step lasts ``3m + p - 1`` ticks, the least possible (the last worker
+    cannot start before tick ``p - 1``): each worker idles ``p - 1`` ticks, a third of
+    1F1B's ``3(p - 1)`` with the same costs (B = I + W), and the bubble is
+    ``(p - 1) / (3m + p - 1)`` against 1F1B's ``3(p - 1) / (3m + 3(p - 1))``.
+
+    Memory: a micro-batch's activations are held from its F until its W (after the "I"
+    only what the W needs is kept; it is counted whole). Worker ``w`` holds at most
+    ``min(p, m)`` micro-batches: 1F1B's peak, which 1F1B reaches on worker 0. Holding every
+    worker to its own 1F1B count ``min(p - w, m)`` would leave no room to defer a W on the
+    last worker and keep two thirds of 1F1B's bubble.
+
+    Returns:
+        One action list per stage.
+    Raises:
+        ScheduleError: if either count is below 1.
+    """
+    _check_positive(num_stages=num_stages, num_microbatches=num_microbatches)
+    p, m = num_stages, num_microbatches
+    schedule = []
+    for w in range(p):
+        order = _one_f_one_b_order(
+            [Action("F", w, i) for i in range(m)],
+            [Action("I", w, i) for i in range(m)],
+            warmup=p - w - 1,
+        )
+        delayed = []
+        for action in order:
+            delayed.append(action)
+            if action.op == "I" and action.microbatch >= w:
+                delayed.append(Action("W", w, action.microbatch - w))
+        schedule.append(delayed + [Action("W", w, i) for i in range(max(m - w, 0), m)])
+    return schedule
+
+
+def zb_v(num_workers: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., section 6): two stages per worker in a V, each backward split into
+    "I" and "W".
+
+    The model is cut into ``2p`` stages and worker ``w`` runs stage ``w`` on the way down and
+    stage ``2p - 1 - w`` on the way back: worker 0 holds the first and the last stage, and
+    the turn of the V (stages ``p - 1`` and ``p``) stays on worker ``p - 1``. The order is
+    list scheduling on a unit clock: at every tick each worker runs the first of these
+    whose prerequisites are done:
+
+    1. the forward of its later stage, else of its earlier one, while the worker holds
+       fewer than ``2p`` stage activations (a stage's micro-batch counts one until its W);
+    2. the "I" of its earlier stage, else of its later one;
+    3. its oldest deferred "W".
+
+    With unit-time F, I and W, 2 workers (4 stages) and 4 micro-batches (``F2`` is a
+    forward of micro-batch 2 of the worker's earlier stage, ``f2`` of its later stage)::
+
+        tick      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24
+        worker 0  F0 F1 F2 f0 i0 w0 f1 I0 i1 W0 F3 I1 w1 f2 i2 W1 w2 I2 W2 f3 i3 w3 .  I3 W3
+        worker 1  .  F0 f0 F1 f1 i0 I0 w0 F2 i1 I1 W0 f2 w1 F3 i2 I2 W1 f3 w2 W2 i3 I3 w3 W3
+
+    For ``m >= 2p`` the step lasts ``6m + p - 1`` ticks, the least possible (worker
+    ``p - 1`` starts at tick ``p - 1`` with ``6m`` ticks of work; the tests check every
+    ``p <= 16``, ``m <= 64``): each worker idles ``p - 1`` ticks, a sixth of what 1F1B
+    idles on the same workers (a worker's two stages as one 1F1B stage, F = 2 and B = 4
+    ticks), a bubble of ``(p - 1) / (6m + p - 1)``. Any ``m >= 1`` is accepted.
+
+    Memory: each worker holds at most ``2p`` stage activations (its two stages together,
+    held from F until W): when its two stages are the halves of one 1F1B stage, ``p``
+    micro-batches' worth, 1F1B's peak (its worker 0's).
+
+    Returns:
+        One action list per worker, already proven complete and deadlock-free by
+        ``check_schedule``.
+    Raises:
+        ScheduleError: if a count is below 1.
+    """
+    _check_positive(num_workers=num_workers, num_microbatches=num_microbatches)
+    p, m = num_workers, num_microbatches
+    stages = 2 * p
+    graph = StageGraph(stages)
+    split = {(s, i) for s in range(stages) for i in range(m)}
+    finished: set[Action] = set()
+    next_forward = [0] * stages
+    next_input = [0] * stages
+    deferred: list[deque[Action]] = [deque() for _ in range(p)]
+    held = [0] * p
+    schedule: Schedule = [[] for _ in range(p)]
+
+    def ready(op: str, stage: int, counter: list[int]) -> Action | None:
+        if counter[stage] == m:
+            return None
+        action = Action(op, stage, counter[stage])
+        return action if all(need in finished for need in graph.prerequisites(action, split)) else None
+
+    def pick(w: int) -> Action | None:
+        earlier, later = w, stages - 1 - w
+        if held[w] < stages:
+            forward = ready("F", later, next_forward) or ready("F", earlier, next_forward)
+            if forward:
+                return forward
+        backward = ready("I", earlier, next_input) or ready("I", later, next_input)
+        return backward or (deferred[w][0] if deferred[w] else None)
+
+    remaining = 3 * stages * m
+    while remaining:
+        # every worker picks from the same state: actions picked at one tick end at the next
+        picked = [(w, action) for w in range(p) if (action := pick(w)) is not None]
+        if not picked:  # a guard against looping forever; the tests show it never happens
+            raise ScheduleError(f"zb-v found no runnable action with {p} workers and {m} micro-batches")
+        for w, action in picked:
+            schedule[w].append(action)
+            finished.add(action)
+            if action.op == "F":
+                next_forward[action.stage] += 1
+                held[w] += 1
+            elif action.op == "I":
+                next_input[action.stage] += 1
+                deferred[w].append(Action("W", action.stage, action.microbatch))
+            else:
+                deferred[w].popleft()
+                held[w] -= 1
+        remaining -= len(picked)
+    check_schedule(schedule, stages, m)
+    return schedule
+
+
 class StageGraph:
     """Which stages feed which: the dependency rule every interpreter of a schedule obeys.
 
-    ``F(s, m)`` needs ``F(p, m)`` for every producer ``p`` of ``s``; ``B(s, m)`` needs
-    ``F(s, m)`` and ``B(c, m)`` for every consumer ``c`` of ``s`` (a stage without
-    consumers, like the last, needs only its own forward).
+    ``F(s, m)`` needs ``F(q, m)`` for every producer ``q`` of ``s``. ``B(s, m)`` and
+    ``I(s, m)`` need ``F(s, m)`` and, from every consumer ``c`` of ``s``, the gradient for
+    ``m``: ``I(c, m)`` when the schedule splits that backward, ``B(c, m)`` otherwise (a
+    stage without consumers, like the last, needs only its own forward). ``W(s, m)`` needs
+    ``I(s, m)``.
     """
 
     def __init__(self, num_stages: int, deps: Iterable[tuple[int, int]] | None = None) -> None:
@@ -204,34 +361,47 @@ class StageGraph:
             self.producers[consumer].append(producer)
             self.consumers[producer].append(consumer)
 
-    def prerequisites(self, action: Action) -> list[Action]:
+    def prerequisites(
+        self, action: Action, split: Collection[tuple[int, int]] = ()
+    ) -> list[Action]:
         """Returns the actions that must finish before ``action`` may start.
+
+        ``split``: the (stage, micro-batch) pairs whose backward the schedule runs as "I"
+        and "W" rather than "B" (``execution_order`` reads them off the schedule).
 
         Raises:
             ScheduleError: if ``action`` names a stage outside the graph.
         """
-        if not 0 <= action.stage < self.num_stages:
+        if not action.stage < self.num_stages:
             raise ScheduleError(f"{action} names a stage outside 0..{self.num_stages - 1}")
-        m = action.microbatch
+        s, m = action.stage, action.microbatch
         if action.op == "F":
-            return [Action("F", p, m) for p in self.producers[action.stage]]
-        return [Action("F", action.stage, m)] + [
-            Action("B", c, m) for c in self.consumers[action.stage]
+            return [Action("F", p, m) for p in self.producers[s]]
+        if action.op == "W":
+            return [Action("I", s, m)]
+        return [Action("F", s, m)] + [
+            Action("I" if (c, m) in split else "B", c, m) for c in self.consumers[s]
         ]
+
+
+def _split_backwards(actions: Sequence[Sequence[Action]]) -> set[tuple[int, int]]:
+    """The (stage, micro-batch) pairs whose backward runs as "I" and "W"."""
+    return {(a.stage, a.microbatch) for todo in actions for a in todo if a.op == "I"}
 
 
 def execution_order(
     actions: Sequence[Sequence[Action]], graph: StageGraph
-) -> Iterator[tuple[int, Action]]:
+) -> Iterator[tuple[int, Action, list[Action]]]:
     """Runs every worker's list in order, each action once its prerequisites are done.
 
     Yields:
-        (worker, action) pairs in an order that respects both each worker's list and every
-        prerequisite, so a consumer can compute start times as it goes.
+        (worker, action, prerequisites) in an order that respects both each worker's list
+        and every prerequisite, so a consumer can compute start times as it goes.
     Raises:
         ScheduleError: when no worker can move, listing each stuck worker's next action and
             the action it waits for.
     """
+    split = _split_backwards(actions)
     position = [0] * len(actions)
     done: set[Action] = set()
     waiting: dict[Action, list[int]] = defaultdict(list)
@@ -241,22 +411,24 @@ def execution_order(
         todo = actions[worker]
         while position[worker] < len(todo):
             action = todo[position[worker]]
-            missing = next((d for d in graph.prerequisites(action) if d not in done), None)
+            needs = graph.prerequisites(action, split)
+            missing = next((d for d in needs if d not in done), None)
             if missing is not None:
                 waiting[missing].append(worker)
                 break
             done.add(action)
             position[worker] += 1
-            yield worker, action
+            yield worker, action, needs
             runnable.extend(waiting.pop(action, ()))
     stuck = [w for w, todo in enumerate(actions) if position[w] < len(todo)]
     if stuck:
-        raise ScheduleError(_deadlock_report(actions, graph, position, done, stuck))
+        raise ScheduleError(_deadlock_report(actions, graph, split, position, done, stuck))
 
 
 def _deadlock_report(
     actions: Sequence[Sequence[Action]],
     graph: StageGraph,
+    split: set[tuple[int, int]],
     position: list[int],
     done: set[Action],
     stuck: list[int],
@@ -265,7 +437,7 @@ def _deadlock_report(
     lines = []
     for w in stuck:
         action = actions[w][position[w]]
-        for need in graph.prerequisites(action):
+        for need in graph.prerequisites(action, split):
             if need in done:
                 continue
             if need not in where:
@@ -295,10 +467,11 @@ def check_schedule(
 ) -> None:
     """Proves that a schedule is complete and cannot deadlock.
 
-    Complete: every ``F(s, m)`` and, unless ``forward_only``, every ``B(s, m)`` for
-    ``s < num_stages`` and ``m < num_microbatches`` appears exactly once, and all the
-    actions of one stage are on one worker. Deadlock-free: running each worker's list in
-    order, an action only once its ``StageGraph`` prerequisites are done, finishes every
+    Complete: for every stage ``s < num_stages`` and micro-batch ``m < num_microbatches``,
+    ``F(s, m)`` appears exactly once and, unless ``forward_only``, so does either ``B(s, m)``
+    or the pair ``I(s, m)``, ``W(s, m)`` with the "I" first; all the actions of one stage
+    are on one worker and every worker has some. Deadlock-free: running each worker's list
+    in order, an action only once its ``StageGraph`` prerequisites are done, finishes every
     list. ``deps`` are (producer_stage, consumer_stage) pairs, by default the chain.
 
     Returns:
@@ -309,39 +482,93 @@ def check_schedule(
     """
     graph = StageGraph(num_stages, deps)
     _check_positive(num_microbatches=num_microbatches)
-    ops = ("F",) if forward_only else OPS
-    expected = {
-        Action(op, s, m) for op in ops for s in range(num_stages) for m in range(num_microbatches)
-    }
+    problems = _completeness_problems(actions, num_stages, num_microbatches, forward_only)
+    if problems:
+        raise ScheduleError("invalid schedule:\n" + "\n".join(f"  {p}" for p in problems))
+    for _ in execution_order(actions, graph):
+        pass
+
+
+def _completeness_problems(
+    actions: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int, forward_only: bool
+) -> list[str]:
+    """What keeps ``actions`` from being a complete schedule, one line each (none: complete)."""
     problems = []
-    seen: set[Action] = set()
+    where: dict[Action, tuple[int, int]] = {}
     worker_of_stage: dict[int, int] = {}
     for worker, todo in enumerate(actions):
-        for action in todo:
-            if action not in expected:
+        if not todo:
+            problems.append(f"worker {worker} runs nothing; give it a stage or drop its list")
+        for index, action in enumerate(todo):
+            if (
+                action.stage >= num_stages
+                or action.microbatch >= num_microbatches
+                or (forward_only and action.op != "F")
+            ):
                 problems.append(
                     f"worker {worker} runs {action}, which is not part of a "
                     f"{'forward-only ' if forward_only else ''}schedule of "
                     f"{num_stages} stages and {num_microbatches} micro-batches"
                 )
-            elif action in seen:
+                continue
+            if action in where:
                 problems.append(f"worker {worker} runs {action} a second time")
-            seen.add(action)
+                continue
+            where[action] = (worker, index)
             owner = worker_of_stage.setdefault(action.stage, worker)
             if owner != worker:
                 problems.append(
                     f"worker {worker} runs {action}, but stage {action.stage} "
                     f"already runs on worker {owner}"
                 )
-    missing = sorted(expected - seen, key=lambda a: (a.op, a.stage, a.microbatch))
+    missing = []
+    for s in range(num_stages):
+        for m in range(num_microbatches):
+            forward, full, inputs, weights = (Action(op, s, m) for op in ("F", "B", "I", "W"))
+            if forward not in where:
+                missing.append(forward)
+            if forward_only:
+                continue
+            if full in where and (inputs in where or weights in where):
+                other = inputs if inputs in where else weights
+                problems.append(f"{full} and {other} both run: a backward runs as B, or as I then W")
+            elif inputs in where and weights not in where:
+                problems.append(f"{inputs} runs but no worker runs {weights}, the weight gradients it leaves")
+            elif weights in where and inputs not in where:
+                problems.append(f"{weights} runs but no worker runs {inputs}, which it finishes")
+            elif inputs in where and where[weights][0] == where[inputs][0] and where[weights] < where[inputs]:
+                problems.append(f"worker {where[weights][0]} runs {weights} before {inputs}; W must follow its I")
+            elif full not in where and inputs not in where:
+                missing.append(full)
     if missing:
         shown = ", ".join(map(str, missing[:10]))
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        problems.append(f"no worker runs {shown}{more}")
-    if problems:
-        raise ScheduleError("invalid schedule:\n" + "\n".join(f"  {p}" for p in problems))
-    for _ in execution_order(actions, graph):
-        pass
+        hint = " (a backward runs as B, or as I then W)" if any(a.op == "B" for a in missing) else ""
+        problems.append(f"no worker runs {shown}{more}{hint}")
+    return problems
+
+
+def stage_workers(actions: Sequence[Sequence[Action]]) -> list[int]:
+    """Returns the worker of every stage, read off the schedule: entry ``s`` is the index of
+    the list that runs stage ``s`` (1F1B: ``s``; interleaved 1F1B: ``s % p``; ZB-V: stages
+    ``w`` and ``2p - 1 - w`` on worker ``w``; a custom schedule: wherever it puts them).
+
+    Raises:
+        ScheduleError: if a stage runs on two workers, or no worker runs a stage below the
+            highest one named.
+    """
+    owner: dict[int, int] = {}
+    for worker, todo in enumerate(actions):
+        for action in todo:
+            if owner.setdefault(action.stage, worker) != worker:
+                raise ScheduleError(
+                    f"stage {action.stage} runs on workers {owner[action.stage]} and {worker} "
+                    f"({action}); all the actions of a stage belong on one worker"
+                )
+    missing = [s for s in range(max(owner, default=-1) + 1) if s not in owner]
+    if missing:
+        raise ScheduleError(f"no worker runs stage(s) {', '.join(map(str, missing))}")
+    return [owner[s] for s in range(len(owner))]
 
 
 def _check_chunks(num_stages: int, chunks: int) -> None:
@@ -353,46 +580,142 @@ def _check_chunks(num_stages: int, chunks: int) -> None:
         )
 
 
-def worker_of(stage: int, num_stages: int, chunks: int = 1) -> int:
-    """Returns the worker that runs ``stage``: ``stage % (num_stages // chunks)``.
-
-    Raises:
-        ScheduleError: if ``num_stages`` is not a positive multiple of ``chunks`` or
-            ``stage`` is out of range.
-    """
-    _check_chunks(num_stages, chunks)
-    if not 0 <= stage < num_stages:
-        raise ScheduleError(f"stage {stage} is outside 0..{num_stages - 1}")
-    return stage % (num_stages // chunks)
+_ONE_STAGE_PER_WORKER = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> Schedule:
     """Builds the schedule called ``name`` (one of ``SCHEDULES``).
 
-    ``num_stages`` counts all stages; under "interleaved-1f1b" they are spread over
-    ``num_stages // chunks`` workers, otherwise each stage has its own worker.
+    ``num_stages`` counts all stages. "gpipe", "1f1b" and "zb-h1" give each stage its own
+    worker (``chunks=1``); "interleaved-1f1b" spreads them over ``num_stages // chunks``
+    workers; "zb-v" needs ``chunks=2`` (two stages per worker, in a V).
 
     Returns:
         One action list per worker.
     Raises:
-        ScheduleError: for an unknown name, ``chunks != 1`` with "gpipe" or "1f1b",
+        ScheduleError: for an unknown name, a ``chunks`` the schedule does not take,
             ``num_stages`` not divisible by ``chunks``, or a count below 1.
     """
+    if not isinstance(name, str):
+        raise ScheduleError(
+            f"make_schedule builds the schedules named in SCHEDULES, got {describe_schedule(name)}; "
+            "resolve_schedule takes lists of actions and functions too"
+        )
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name == "interleaved-1f1b":
-        _check_chunks(num_stages, chunks)
-        return interleaved_1f1b(num_stages // chunks, num_microbatches, chunks)
-    if chunks != 1:
+    if name in _ONE_STAGE_PER_WORKER:
+        if chunks != 1:
+            raise ScheduleError(
+                f"schedule {name!r} runs one stage per worker, got chunks={chunks}; use "
+                "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v' (chunks=2) "
+                "for several stages per worker"
+            )
+        return _ONE_STAGE_PER_WORKER[name](num_stages, num_microbatches)
+    if name == "zb-v" and chunks != 2:
         raise ScheduleError(
-            f"schedule {name!r} runs one stage per worker, got chunks={chunks}; "
-            f"use chunks=1, or schedule 'interleaved-1f1b' for several stages per worker"
+            f"schedule 'zb-v' runs two stages per worker, got chunks={chunks}; use chunks=2 "
+            "and an even number of stages"
         )
-    return (
-        gpipe(num_stages, num_microbatches)
-        if name == "gpipe"
-        else one_f_one_b(num_stages, num_microbatches)
-    )
+    _check_chunks(num_stages, chunks)
+    if name == "zb-v":
+        return zb_v(num_stages // 2, num_microbatches)
+    return interleaved_1f1b(num_stages // chunks, num_microbatches, chunks)
+
+
+def resolve_schedule(
+    spec: ScheduleSpec,
+    num_stages: int,
+    num_microbatches: int,
+    chunks: int = 1,
+    deps: Iterable[tuple[int, int]] | None = None,
+) -> Schedule:
+    """Builds the schedule ``spec`` describes and proves that it runs.
+
+    ``spec`` is what ``Plan.schedule`` holds: a name (built by ``make_schedule`` with
+    ``chunks``), a schedule as data (one list of ``Action`` per worker; it fixes the
+    micro-batch count) or a function ``(num_stages, num_microbatches) -> schedule``. Data and
+    functions place the stages themselves (``stage_workers``); ``chunks`` is ignored for
+    them. ``deps`` are the stage graph's (producer, consumer) pairs, by default the chain.
+
+    Returns:
+        A new ``Schedule`` that ``check_schedule`` accepted: safe to run.
+    Raises:
+        ScheduleError: for what ``make_schedule`` rejects; a function that raises or returns
+            something other than lists of ``Action``; data for another micro-batch count; a
+            schedule that is incomplete (naming the missing actions) or deadlocks (naming
+            each blocked action and what it waits for).
+    """
+    if isinstance(spec, str):
+        actions = make_schedule(spec, num_stages, num_microbatches, chunks)
+    elif callable(spec):
+        call = f"{describe_schedule(spec)}({num_stages}, {num_microbatches})"
+        try:
+            made = spec(num_stages, num_microbatches)
+        except ScheduleError:
+            raise
+        except Exception as err:
+            raise ScheduleError(f"{call} raised {type(err).__name__}: {err}") from err
+        actions = as_schedule(made, f"what {call} returned")
+    else:
+        actions = as_schedule(spec)
+        runs = microbatch_count(actions)
+        if runs != num_microbatches:
+            raise ScheduleError(
+                f"the schedule given as data runs {runs} micro-batches, but this step has "
+                f"{num_microbatches}; a schedule as data fixes the count: set "
+                f"Plan(microbatches={runs}) and batches that split into {runs}, or give a "
+                "function (num_stages, num_microbatches) -> schedule to serve any count"
+            )
+    check_schedule(actions, num_stages, num_microbatches, deps)
+    return actions
+
+
+def as_schedule(value: object, what: str = "the schedule") -> Schedule:
+    """Returns ``value``, a sequence of per-worker sequences of ``Action``, as a new Schedule.
+
+    Checks types only (``check_schedule`` proves the rest). ``what`` names ``value`` in errors.
+
+    Raises:
+        ScheduleError: naming the first entry that is not a list of actions or not an
+            ``Action``, and how to write it.
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise ScheduleError(
+            f"{what} must be a list holding one list of fxpipe.Action per worker, "
+            f"got {type(value).__name__}"
+        )
+    if not value:
+        raise ScheduleError(f"{what} is empty; give one list of fxpipe.Action per worker")
+    schedule = []
+    for w, todo in enumerate(value):
+        if isinstance(todo, str | bytes | Action) or not isinstance(todo, Sequence):
+            raise ScheduleError(
+                f"{what}[{w}] is {todo!r}, not a list: give worker {w}'s actions as a list of "
+                "fxpipe.Action"
+            )
+        for k, action in enumerate(todo):
+            if not isinstance(action, Action):
+                hint = f"fxpipe.Action{tuple(action)!r}" if isinstance(action, tuple) else "fxpipe.Action(op, stage, microbatch)"
+                raise ScheduleError(
+                    f"{what}[{w}][{k}] is {action!r}, not an fxpipe.Action; write {hint}"
+                )
+        schedule.append(list(todo))
+    return schedule
+
+
+def microbatch_count(actions: Sequence[Sequence[Action]]) -> int:
+    """Returns how many micro-batches a schedule runs: one more than the highest index."""
+    return 1 + max((a.microbatch for todo in actions for a in todo), default=-1)
+
+
+def describe_schedule(spec: ScheduleSpec) -> str:
+    """Returns a short name for ``spec`` for messages and summaries: the schedule's name, the
+    function's qualified name, or "custom schedule (N workers)" for data."""
+    if isinstance(spec, str):
+        return spec
+    if callable(spec):
+        return getattr(spec, "__qualname__", type(spec).__name__)
+    return f"custom schedule ({len(spec)} worker{'' if len(spec) == 1 else 's'})"
 
 
 def forward_only(actions: Sequence[Sequence[Action]]) -> Schedule:

@@ -18,13 +18,14 @@ from typing import Any
 from fxpipe import format as fmt
 
 KINDS = ("predicted", "measured")
-COMPUTE_OPS = ("F", "B")
-EVENT_OPS = ("F", "B", "send", "recv")
+# a worker's own work: forward, backward, and the backward split into input and weight parts
+WORK_OPS = ("F", "B", "I", "W")
+EVENT_OPS = (*WORK_OPS, "send", "recv")
 
 
 @dataclass(frozen=True)
 class Event:
-    """One interval of one worker's time: a forward, a backward, a send or a recv.
+    """One interval of one worker's time: an action ("F", "B", "I" or "W"), a send or a recv.
 
     ``start`` and ``end`` are in seconds on a clock shared by all workers of the timeline.
     """
@@ -94,37 +95,48 @@ class Timeline:
         return max(e.end for e in self._events) - min(e.start for e in self._events)
 
     def busy_time(self, worker: int) -> float:
-        """Returns the seconds ``worker`` spends in forwards and backwards."""
-        return sum(e.duration for e in self._events if e.worker == worker and e.op in COMPUTE_OPS)
+        """Returns the seconds ``worker`` spends in its actions (F, B, I and W)."""
+        return sum(e.duration for e in self._events if e.worker == worker and e.op in WORK_OPS)
 
     @property
     def bubble_fraction(self) -> float:
         """The idle share of the workers' time: ``1 - busy / (num_workers * step_time)``,
-        where busy counts forwards and backwards only (0 for an empty timeline)."""
+        where busy counts actions (F, B, I, W), not sends and receives (0 for an empty
+        timeline)."""
         step = self.step_time
         if step == 0:
             return 0.0
         busy = sum(self.busy_time(w) for w in range(self.num_workers))
         return 1.0 - busy / (self.num_workers * step)
 
-    def peak_in_flight(self) -> dict[int, int]:
-        """Returns, per stage, the most micro-batches whose forward had finished and whose
-        backward had not: how many micro-batches' activations the stage held at once.
+    def peak_in_flight(self, per: str = "stage") -> dict[int, int]:
+        """Returns, per stage (or per worker with ``per="worker"``, its stages together), the
+        most micro-batches held at once: a forward's activations count from its end until
+        the end of its backward "B" or, when the backward is split, of its "W". Between
+        "I" and "W" only what the W needs is really kept; it is counted whole.
 
         A forward-only timeline holds every micro-batch it ran, since no backward frees it.
+
+        Raises:
+            ValueError: if ``per`` is neither "stage" nor "worker".
         """
+        if per not in ("stage", "worker"):
+            raise ValueError(f"peak_in_flight per must be 'stage' or 'worker', got {per!r}")
         changes: dict[int, list[tuple[float, int]]] = defaultdict(list)
         for e in self._events:
-            if e.op in COMPUTE_OPS:
-                # At equal times the backward's release sorts before the forward's hold.
-                changes[e.stage].append((e.end, 1 if e.op == "F" else -1))
+            key = e.stage if per == "stage" else e.worker
+            if e.op == "F":
+                changes[key].append((e.end, 1))
+            elif e.op in ("B", "W"):
+                # At equal times the release sorts before the forward's hold.
+                changes[key].append((e.end, -1))
         peaks = {}
-        for stage, steps in sorted(changes.items()):
+        for key, steps in sorted(changes.items()):
             held = peak = 0
             for _, step in sorted(steps):
                 held += step
                 peak = max(peak, held)
-            peaks[stage] = peak
+            peaks[key] = peak
         return peaks
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +148,7 @@ class Timeline:
             "bubble_fraction": self.bubble_fraction,
             "busy_time": [self.busy_time(w) for w in range(self.num_workers)],
             "peak_in_flight": self.peak_in_flight(),
+            "peak_in_flight_per_worker": self.peak_in_flight("worker"),
             "activation_bytes": self.activation_bytes,
             "events": [asdict(e) for e in self._events],
         }
@@ -148,13 +161,16 @@ class Timeline:
             f"step time {fmt.seconds(step)}, bubble {self.bubble_fraction:.1%}",
         ]
         devices = {e.worker: e.device for e in self._events if e.device}
+        split = any(e.op in ("I", "W") for e in self._events)
         for w in range(self.num_workers):
             busy = self.busy_time(w)
             share = busy / step if step else 0.0
             on = f" ({devices[w]})" if w in devices else ""
-            lines.append(
-                f"  worker {w}{on}: busy {fmt.seconds(busy)} ({share:.1%} of the step)"
-            )
+            parts = f"{share:.1%} of the step"
+            if split:  # how much of the work is the W's that fill the bubbles
+                per_op = {op: sum(e.duration for e in self._events if e.worker == w and e.op == op) for op in WORK_OPS}
+                parts = ", ".join(f"{op} {fmt.seconds(t)}" for op, t in per_op.items() if t) + "; " + parts
+            lines.append(f"  worker {w}{on}: busy {fmt.seconds(busy)} ({parts})")
         for stage, held in self.peak_in_flight().items():
             line = f"  stage {stage}: up to {held} micro-batches in flight"
             if stage in self.activation_bytes:
@@ -165,9 +181,9 @@ class Timeline:
     def to_chrome_trace(self, path: str | Path) -> None:
         """Writes the events as Chrome trace JSON (opens in Perfetto and chrome://tracing).
 
-        One complete ("X") event per timeline event; pid is the worker, tid 0 holds
-        forwards and backwards and tid 1 sends and receives; times are microseconds from
-        the step's start.
+        One complete ("X") event per timeline event; pid is the worker, tid 0 holds its
+        actions (F, B, I, W) and tid 1 sends and receives; times are microseconds from the
+        step's start.
         """
         origin = min((e.start for e in self._events), default=0.0)
         trace = [
@@ -178,7 +194,7 @@ class Timeline:
                 "ts": (e.start - origin) * 1e6,
                 "dur": e.duration * 1e6,
                 "pid": e.worker,
-                "tid": 0 if e.op in COMPUTE_OPS else 1,
+                "tid": 0 if e.op in WORK_OPS else 1,
                 "args": {"stage": e.stage, "microbatch": e.microbatch, "device": e.device},
             }
             for e in self._events
@@ -191,8 +207,8 @@ class Timeline:
         """Draws a Gantt chart, one row per worker, and writes it to ``path`` (PNG, SVG or
         any format matplotlib knows by the extension).
 
-        Forwards and backwards get distinct colours (a darker shade for each further chunk
-        a worker holds), each box shows its micro-batch, sends and receives are thin grey
+        Forwards, backwards and the split backward's "I" and "W" get distinct colours (a
+        darker shade for each further chunk a worker holds), each box shows its micro-batch, sends and receives are thin grey
         bars, and idle time stays white. With ``other``, the two timelines are drawn one
         above the other on a shared time axis (for predicted against measured).
 

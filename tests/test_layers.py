@@ -76,7 +76,7 @@ def test_passes_import_torch_networkx_and_themselves_only(path: Path) -> None:
 
 
 def test_schedules_import_no_torch() -> None:
-    for name in ("schedules.py", "simulate.py"):
+    for name in ("schedules.py", "schedule_sim.py"):
         imports = _imports(ROOT / "fxpipe" / name)
         assert not any(i.split(".")[0] == "torch" for i in imports), f"fxpipe/{name} imports torch: {imports}"
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxpipe.schedules import ScheduleError, gpipe, make_schedule, one_f_one_b
-from fxpipe.simulate import simulate
+from fxpipe.schedule_sim import simulate
+from fxpipe.schedules import Action, ScheduleError, gpipe, make_schedule, one_f_one_b, zb_h1, zb_v
 from fxpipe.timeline import Event, Timeline
 
 
@@ -166,3 +166,120 @@ def test_plot_writes_the_format_named_by_the_extension(tmp_path, suffix):
         assert image.shape[0] > 100 and image.shape[1] > 100
     else:
         assert path.read_text().lstrip().startswith("<?xml")
+
+
+# ------------------------------------------------------------------ split backwards: I and W
+def _split(stages: int, microbatches: int) -> list[list[Action]]:
+    """GPipe with each backward split: every forward, every I, then every W."""
+    return [
+        [Action(op, s, m) for op in "FIW" for m in range(microbatches)] for s in range(stages)
+    ]
+
+
+def test_i_and_w_default_to_half_the_backward_time_each():
+    timeline = simulate(zb_h1(2, 1), 2, 1.0, lambda s, m: 4.0 * (s + 1))
+    durations = {(e.op, e.stage): e.duration for e in timeline.events}
+    assert durations == {("F", 0): 1.0, ("F", 1): 1.0, ("I", 1): 4.0, ("W", 1): 4.0, ("I", 0): 2.0, ("W", 0): 2.0}
+
+
+def test_input_and_weight_times_are_their_own_costs_of_stage_and_microbatch():
+    seen = []
+
+    def weight(stage: int, microbatch: int) -> float:
+        seen.append((stage, microbatch))
+        return 0.5
+
+    timeline = simulate(_split(2, 2), 2, 1.0, 100.0, input_time=2.0, weight_time=weight)
+    durations = {(e.op, e.stage, e.microbatch): e.duration for e in timeline.events}
+    assert durations[("I", 0, 1)] == 2.0 and durations[("W", 1, 0)] == 0.5
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_gradient_an_i_sends_pays_comm_time_and_w_sends_nothing():
+    timeline = simulate(_split(2, 1), 2, 1.0, 2.0, comm_time=0.5)
+    start = {(e.op, e.stage): e.start for e in timeline.events}
+    # F1 after F0 + comm; I1 at once; I0 after I1 + comm; each W right after its I
+    assert start == {("F", 0): 0.0, ("F", 1): 1.5, ("I", 1): 2.5, ("W", 1): 3.5, ("I", 0): 4.0, ("W", 0): 5.0}
+
+
+def test_a_full_backward_waits_for_the_consumers_i_when_the_consumer_splits():
+    actions = [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 1, 0), Action("I", 1, 0), Action("W", 1, 0)]]
+    timeline = simulate(actions, 2, 1.0, 2.0, weight_time=10.0)
+    start = {(e.op, e.stage): e.start for e in timeline.events}
+    assert start[("B", 0)] == 3.0  # after I1 (1 tick), not after W1
+
+
+def test_activations_stay_in_flight_until_w_not_i():
+    events = [
+        Event(0, 0, 0, "F", 0.0, 1.0),
+        Event(0, 0, 0, "I", 1.0, 2.0),
+        Event(0, 0, 1, "F", 2.0, 3.0),  # micro-batch 0 is still held: its W has not run
+        Event(0, 0, 0, "W", 3.0, 4.0),
+        Event(0, 0, 1, "B", 4.0, 5.0),
+        Event(0, 0, 2, "F", 5.0, 6.0),
+        Event(0, 0, 2, "I", 6.0, 7.0),
+        Event(0, 0, 2, "W", 7.0, 8.0),
+    ]
+    timeline = Timeline(events, 1)
+    assert timeline.peak_in_flight() == {0: 2}
+    assert timeline.busy_time(0) == 8.0 and timeline.bubble_fraction == 0.0
+
+
+def test_peak_in_flight_per_worker_adds_the_stages_a_worker_holds():
+    timeline = simulate(zb_v(2, 4), 4, 1.0, 2.0)
+    per_stage = timeline.peak_in_flight()
+    per_worker = timeline.peak_in_flight("worker")
+    assert set(per_worker) == {0, 1} and set(per_stage) == {0, 1, 2, 3}
+    assert per_stage[0] + per_stage[3] >= per_worker[0] > max(per_stage[0], per_stage[3])
+    assert per_worker[0] <= 4
+    with pytest.raises(ValueError, match="per must be 'stage' or 'worker', got 'device'"):
+        timeline.peak_in_flight("device")
+
+
+def test_summary_chrome_trace_and_dict_count_i_and_w_as_work():
+    timeline = simulate(zb_h1(2, 2), 2, 1e-3, 2e-3)
+    assert timeline.busy_time(0) == pytest.approx(2 * (1e-3 + 1e-3 + 1e-3))
+    text = timeline.summary()
+    assert "worker 0: busy 6.00 ms (F 2.00 ms, I 2.00 ms, W 2.00 ms; " in text
+    data = timeline.to_dict()
+    assert data["peak_in_flight_per_worker"] == {0: 2, 1: 2}
+    assert {e["op"] for e in data["events"]} == {"F", "I", "W"}
+
+
+def test_chrome_trace_puts_i_and_w_on_the_action_track(tmp_path):
+    timeline = simulate(zb_h1(2, 2), 2, 1e-3, 2e-3)
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(path)
+    trace = json.loads(path.read_text())["traceEvents"]
+    assert {(e["cat"], e["tid"]) for e in trace} == {("F", 0), ("I", 0), ("W", 0)}
+    assert any(e["name"] == "W s1 mb0" for e in trace)
+
+
+def test_gantt_legend_names_i_and_w_in_their_own_colours():
+    from fxpipe.drawing.gantt import legend_entries
+
+    zero_bubble = simulate(zb_v(2, 4), 4, 1.0, 2.0)
+    entries = legend_entries([zero_bubble])
+    labels = [e["label"] for e in entries]
+    assert labels[:4] == ["forward", "input gradients (I)", "weight gradients (W)", "idle (bubble)"]
+    assert "weight gradients (W), later chunk" in labels and "backward" not in labels
+    colours = [e["color"] for e in entries if "color" in e]
+    assert len(set(colours)) == len(colours)
+    plain = [e["label"] for e in legend_entries([simulate(one_f_one_b(2, 2), 2, 1.0, 2.0), _measured()])]
+    assert plain == ["forward", "backward", "idle (bubble)", "send / recv"]
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_plot_draws_zero_bubble_timelines(tmp_path, name):
+    chunks = 2 if name == "zb-v" else 1
+    timeline = simulate(make_schedule(name, 4 * chunks, 8, chunks), 4 * chunks, 1e-3, 2e-3)
+    path = tmp_path / f"{name}.png"
+    timeline.plot(path, title=f"{name}, p=4, m=8")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(path).shape[1] > 1000
+
+
+def test_events_take_every_action_op():
+    for op in ("F", "B", "I", "W", "send", "recv"):
+        assert Event(0, 0, 0, op, 0.0, 1.0).op == op

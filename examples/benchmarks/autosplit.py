@@ -40,8 +40,8 @@ import fxpipe
 from fxpipe.compiler import build_pipeline
 from fxpipe.passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
 from fxpipe.passes.partition import EDGE
+from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
-from fxpipe.simulate import simulate
 from fxpipe.tune import plot_sweep, sweep
 
 

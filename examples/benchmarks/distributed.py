@@ -31,8 +31,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
+from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
-from fxpipe.simulate import simulate
 
 M = 8  # micro-batches
 P = 2  # pipeline stages / processes

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fxpipe import format as fmt
-from fxpipe.timeline import COMPUTE_OPS, Event, Timeline
+from fxpipe.timeline import WORK_OPS, Event, Timeline
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> None:
@@ -21,7 +22,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
 
     span = max(t.step_time for t in timelines) or 1.0
     scale, unit = fmt.time_unit(span)
-    compute = [e for t in timelines for e in t.events if e.op in COMPUTE_OPS]
+    compute = [e for t in timelines for e in t.events if e.op in WORK_OPS]
     per_row = max(
         (sum(e.worker == w for e in t.events) for t in timelines for w in range(t.num_workers)),
         default=0,
@@ -29,42 +30,51 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
     # Wide enough for a readable box per action, up to a size a screen still shows.
     width = min(30.0, max(12.0, 0.3 * per_row))
     rows = sum(t.num_workers for t in timelines)
-    fig, axes = plt.subplots(
-        len(timelines),
-        1,
-        sharex=True,
-        squeeze=False,
-        figsize=(width, 1.2 + 0.45 * rows + 0.6 * len(timelines)),
-    )
+    entries = legend_entries(timelines)
+    # As many legend rows as the labels need at this width, under the time axis.
+    needed = sum(_LEGEND_ENTRY_INCHES + _LEGEND_CHAR_INCHES * len(e["label"]) for e in entries)
+    legend_rows = math.ceil(needed / (0.95 * width))
+    height = 1.2 + 0.45 * rows + 0.6 * len(timelines) + 0.3 * legend_rows
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False, figsize=(width, height))
     label_size = _label_size(compute, points_per_second=width * 72 * 0.8 / span)
-    multi_chunk = False
     for ax, timeline in zip(axes[:, 0], timelines):
-        multi_chunk |= _draw(timeline, ax, scale, label_size)
+        _draw(timeline, ax, scale, label_size)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     axes[-1, 0].set_xlim(0, span * scale * 1.01)
-    legend = [
-        Patch(color=_COLOURS["F"][0], label="forward"),
-        Patch(color=_COLOURS["B"][0], label="backward"),
-        Patch(facecolor=_IDLE_COLOUR, edgecolor=_IDLE_EDGE, hatch="////", linewidth=0, label="idle (bubble)"),
-    ]
-    if multi_chunk:
-        legend += [
-            Patch(color=_COLOURS["F"][1], label="forward, later chunk"),
-            Patch(color=_COLOURS["B"][1], label="backward, later chunk"),
-        ]
-    if any(e.op not in COMPUTE_OPS for t in timelines for e in t.events):
-        legend.append(Patch(color=_COMM_COLOUR, label="send / recv"))
-    fig.legend(handles=legend, loc="upper right", ncol=len(legend), frameon=False)
+    fig.legend(
+        handles=[Patch(**entry) for entry in entries],
+        loc="lower center",
+        ncol=math.ceil(len(entries) / legend_rows),
+        frameon=False,
+    )
     if title:
         fig.suptitle(title, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.tight_layout(rect=(0, (0.1 + 0.3 * legend_rows) / height, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -> bool:
-    """Draws the rows of this timeline on ``ax``; returns whether a worker holds
-    several stages (so the legend explains the chunk shades)."""
+def legend_entries(timelines: Sequence[Timeline]) -> list[dict[str, Any]]:
+    """The legend's patches as ``matplotlib.patches.Patch`` keyword arguments: each op the
+    timelines hold in its colour, the idle hatch, the later-chunk shades when a worker holds
+    several stages, and sends/receives when there are any."""
+    ops = [op for op in WORK_OPS if any(e.op == op for t in timelines for e in t.events)]
+    multi_chunk = any(
+        len({(e.worker, e.stage) for e in t.events}) > len({e.worker for e in t.events}) for t in timelines
+    )
+    entries: list[dict[str, Any]] = [{"color": _COLOURS[op][0], "label": _OP_LABELS[op]} for op in ops]
+    entries.append(
+        {"facecolor": _IDLE_COLOUR, "edgecolor": _IDLE_EDGE, "hatch": "////", "linewidth": 0, "label": "idle (bubble)"}
+    )
+    if multi_chunk:
+        entries += [{"color": _COLOURS[op][1], "label": f"{_OP_LABELS[op]}, later chunk"} for op in ops]
+    if any(e.op not in WORK_OPS for t in timelines for e in t.events):
+        entries.append({"color": _COMM_COLOUR, "label": "send / recv"})
+    return entries
+
+
+def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -> None:
+    """Draws the rows of this timeline on ``ax``."""
     origin = min((e.start for e in timeline.events), default=0.0)
     stages_of: dict[int, list[int]] = defaultdict(list)
     for e in timeline.events:
@@ -75,7 +85,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
         (w, s): k for w, stages in stages_of.items() for k, s in enumerate(sorted(stages))
     }
     devices = {e.worker: e.device for e in timeline.events if e.device}
-    # A hatched band under each row: whatever forwards and backwards leave uncovered
+    # A hatched band under each row: whatever the actions leave uncovered
     # is the worker's idle time, the pipeline bubble.
     for worker in range(timeline.num_workers):
         ax.barh(
@@ -84,7 +94,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
         )
     for e in timeline.events:
         left, width = (e.start - origin) * scale, e.duration * scale
-        if e.op not in COMPUTE_OPS:
+        if e.op not in WORK_OPS:
             ax.barh(e.worker + 0.38, width, left=left, height=0.1, color=_COMM_COLOUR)
             continue
         shades = _COLOURS[e.op]
@@ -117,15 +127,22 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
     ax.set_title(timeline.title(), fontsize=10, loc="left")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    return any(len(stages) > 1 for stages in stages_of.values())
 
 
-# Forward blues and backward oranges, one shade per chunk a worker holds.
+# Forward blues, backward oranges, input-gradient (I) reds and weight-gradient (W) greens,
+# one shade per chunk a worker holds.
 _COLOURS = {
     "F": ("#3a78b5", "#1f4e79", "#6fa3d6", "#0f2d4a"),
     "B": ("#e07b28", "#a3520f", "#f0a868", "#6b3306"),
+    "I": ("#c8414b", "#8c1c25", "#e27b82", "#5a0f15"),
+    "W": ("#3d9a5b", "#1f6b3a", "#79c493", "#0f4023"),
 }
+_OP_LABELS = {"F": "forward", "B": "backward", "I": "input gradients (I)", "W": "weight gradients (W)"}
 _COMM_COLOUR = "#9a9a9a"
+# A legend entry's width in inches at matplotlib's default sizes: handle and spacing, and
+# per character of its label.
+_LEGEND_ENTRY_INCHES = 0.7
+_LEGEND_CHAR_INCHES = 0.08
 _IDLE_COLOUR = "#f4f4f5"
 _IDLE_EDGE = "#d4d4d8"
 
