@@ -26,7 +26,13 @@ from fxpipe.passes.trace import trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
-from fxpipe.schedules import ScheduleError, check_schedule, make_schedule
+from fxpipe.schedules import (
+    Schedule,
+    ScheduleError,
+    describe_schedule,
+    resolve_schedule,
+    stage_workers,
+)
 from fxpipe.stage import Stage
 
 
@@ -34,18 +40,24 @@ class CompileError(ValueError):
     """A plan the compiler cannot honour for this model; the message names the culprit."""
 
 
-def _stage_devices(plan: Plan, num_stages: int, tag_devices: list[str] | None, how: str) -> list[str]:
+def _stage_devices(plan: Plan, workers: list[int], tag_devices: list[str] | None, how: str) -> list[str]:
+    """The device of every stage: ``plan.devices`` lists one per stage, or one per worker
+    (stage s then runs on the device of the worker the schedule puts it on: ``workers[s]``)."""
+    num_stages, num_workers = len(workers), max(workers) + 1
     devices = plan.devices
     if devices is None:
-        return list(tag_devices) if tag_devices else default_devices(num_stages)
+        if tag_devices:
+            return list(tag_devices)
+        per_worker = default_devices(num_workers)
+        return [per_worker[w] for w in workers]
     if len(devices) == num_stages:
         return list(devices)
-    if plan.chunks > 1 and len(devices) * plan.chunks == num_stages:
-        return [devices[s % len(devices)] for s in range(num_stages)]
-    per = f" × chunks={plan.chunks}" if plan.chunks > 1 else ""
+    if len(devices) == num_workers:
+        return [devices[w] for w in workers]
     raise PlanError(
-        f"plan.devices lists {len(devices)} device(s){per} but {how} gives {num_stages} stage(s); "
-        f"list one device per stage (or per worker with chunks), e.g. devices={default_devices(num_stages)}"
+        f"plan.devices lists {len(devices)} device(s) but {how} gives {num_stages} stage(s) on "
+        f"{num_workers} worker(s) of the schedule {describe_schedule(plan.schedule)}; list one device per "
+        f"stage or one per worker, e.g. devices={default_devices(num_workers)}"
     )
 
 
@@ -107,15 +119,16 @@ def partition(
         profile.apply(gm.graph)
     assignment, how = _annotate(gm.graph, plan, model, resolve)
     annotate_pass.check_monotone(gm.graph)
-    devices = _stage_devices(plan, assignment.num_stages, assignment.tag_devices, how)
-    if plan.schedule == "interleaved-1f1b" and assignment.num_stages % plan.chunks:
-        raise PlanError(f"{how} gives {assignment.num_stages} stages, not a multiple of plan.chunks={plan.chunks}")
     number_random_ops(gm.graph, gm)  # keys from the whole graph: a node's masks do not depend on the split
     cut = partition_pass(gm.graph, assignment.num_stages)
+    deps = sorted({(e.src, e.dst) for e in cut.edges})
+    actions = _schedule(plan, assignment.num_stages, deps)
+    workers = stage_workers(actions)
+    devices = _stage_devices(plan, workers, assignment.tag_devices, how)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
-    split_backward = _splits_backward(plan, assignment.num_stages)
+    split_backward = any(a.op in ("I", "W") for todo in actions for a in todo)
     stages = []
     for s in range(assignment.num_stages):
         graph = stage_graph(cut, s)
@@ -141,10 +154,9 @@ def partition(
                 buffers_written=written,
             )
         )
-    _check_schedule(plan, cut)
     return Partitioned(
         plan, type(model).__name__, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
-        example_inputs, kwargs, list(traced.notes),
+        example_inputs, kwargs, list(traced.notes), deps, workers,
     )
 
 
@@ -173,19 +185,12 @@ def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
     }
 
 
-def _splits_backward(plan: Plan, num_stages: int) -> bool:
-    """Whether the plan's schedule runs input- and weight-gradient actions (I, W) apart."""
-    actions = make_schedule(plan.schedule, num_stages, plan.microbatches, plan.chunks)
-    return any(a.op in ("I", "W") for todo in actions for a in todo)
-
-
-def _check_schedule(plan: Plan, cut) -> None:
-    deps = sorted({(e.src, e.dst) for e in cut.edges})
+def _schedule(plan: Plan, num_stages: int, deps: list[tuple[int, int]]) -> Schedule:
+    """The plan's schedule for its micro-batch count, proven to run on this stage graph."""
     try:
-        actions = make_schedule(plan.schedule, cut.num_stages, plan.microbatches, plan.chunks)
-        check_schedule(actions, cut.num_stages, plan.microbatches, deps=deps)
+        return resolve_schedule(plan.schedule, num_stages, plan.microbatches, plan.chunks, deps)
     except ScheduleError as err:
-        raise PlanError(f"plan.schedule={plan.schedule!r}: {err}") from err
+        raise PlanError(f"plan.schedule={describe_schedule(plan.schedule)}: {err}") from err
 
 
 def compile(  # noqa: A001 - the public name is fxpipe.compile

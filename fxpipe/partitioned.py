@@ -23,7 +23,9 @@ class Partitioned:
 
     stages: the Stage list (modules reference the model's own submodules: nothing copied);
     graph: the whole partitioned program with explicit send/recv nodes;
-    frontend: "fx" or "export"; notes: what happened while compiling.
+    frontend: "fx" or "export"; notes: what happened while compiling;
+    deps: the stage graph, (producer, consumer) pairs; stage_workers: the worker each stage
+    runs on under the plan's schedule (compile-time facts the runtimes read).
     """
 
     plan: Plan
@@ -36,6 +38,12 @@ class Partitioned:
     example_inputs: tuple = ()
     example_kwargs: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    deps: list[tuple[int, int]] = field(default_factory=list)
+    stage_workers: list[int] = field(default_factory=list)
+
+    @property
+    def num_workers(self) -> int:
+        return max(self.stage_workers, default=0) + 1
 
     @property
     def graph(self) -> fx.Graph:

@@ -19,6 +19,7 @@ from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
+from fxpipe.schedules import describe_schedule
 
 
 class Pipeline(PipelineBase):
@@ -61,7 +62,7 @@ class Pipeline(PipelineBase):
 
     @property
     def num_workers(self) -> int:
-        return len(self.stages) // self.plan.chunks
+        return self.part.num_workers
 
     def __repr__(self) -> str:
-        return f"Pipeline({self.part.model_name}, stages={[s.device for s in self.stages]}, schedule={self.plan.schedule!r})"
+        return f"Pipeline({self.part.model_name}, stages={[s.device for s in self.stages]}, schedule={describe_schedule(self.plan.schedule)})"

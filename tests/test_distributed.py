@@ -37,7 +37,7 @@ from fxpipe.distributed.comm import (
 )
 from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, fake_extras
 from fxpipe.placement import skeleton
-from fxpipe.schedules import make_schedule
+from fxpipe.schedules import make_schedule, stage_workers
 
 CE = nn.CrossEntropyLoss()
 LAUNCH_TIMEOUT = 120
@@ -342,16 +342,19 @@ def test_mismatched_plans_are_detected_at_start() -> None:
 # ------------------------------------------------- in-process: message plans, specs
 def chain_messages(schedule: str, num_stages: int, m: int, chunks: int = 1) -> dict:
     actions = make_schedule(schedule, num_stages, m, chunks)
-    workers = len(actions)
     edges = [(s, s + 1) for s in range(num_stages - 1)]
     spec = ValueSpec(None, (LeafSpec((2, 4), torch.float32, True),))
     recv = [[e for e, (_, d) in enumerate(edges) if d == s] for s in range(num_stages)]
     send = [[e for e, (src, _) in enumerate(edges) if src == s] for s in range(num_stages)]
-    plans = {w: messages_for(todo, recv, send, edges, lambda s: s % workers, w, lambda e, i: spec) for w, todo in enumerate(actions)}
+    owner = stage_workers(actions)
+    plans = {w: messages_for(todo, recv, send, edges, lambda s: owner[s], w, lambda e, i: spec) for w, todo in enumerate(actions)}
     return {w: fused_groups(plan) for w, plan in nccl_plans(plans).items()}
 
 
-@pytest.mark.parametrize("schedule,stages,chunks", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 6, 3), ("interleaved-1f1b", 8, 2)])
+@pytest.mark.parametrize(
+    "schedule,stages,chunks",
+    [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 6, 3), ("interleaved-1f1b", 8, 2), ("zb-h1", 4, 1), ("zb-v", 4, 2), ("zb-v", 8, 2)],
+)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_fused_send_recv_groups_cannot_deadlock_under_nccl_ordering(schedule: str, stages: int, chunks: int, m: int) -> None:
     check_rendezvous(chain_messages(schedule, stages, m, chunks))

@@ -648,11 +648,6 @@ def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
         assert f"# {line}" in text, line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compile and both pipelines build the plan's schedule with make_schedule, which takes "
-    "names only; resolve_schedule takes lists and functions too (the runtime change wires it)",
-)
 def test_docs_custom_schedule_trains_equal_to_eager():
     import copy
 

@@ -2,8 +2,8 @@
 
 For one rank's action list, ``F(s, i)`` receives micro-batch i's activation on every
 edge into stage s whose producer runs on another rank, and sends its outputs on every
-edge leaving for another rank; ``B(s, i)`` receives the gradients of its outputs and
-sends the gradients of its inputs. Only tensor leaves travel (non-tensor leaves are
+edge leaving for another rank; ``B(s, i)`` and ``I(s, i)`` receive the gradients of its
+outputs and send the gradients of its inputs; ``W(s, i)`` exchanges nothing. Only tensor leaves travel (non-tensor leaves are
 known from the edge's spec), and a gradient message carries only the leaves a gradient
 flows through. Every message is identified by ``(kind, edge, micro-batch)``.
 
@@ -96,6 +96,9 @@ def messages_for(
         if action.op == "F":
             recvs.append(remote(ACT, recv_edges[s], 0, i))
             sends.append(remote(ACT, send_edges[s], 1, i))
+        elif action.op == "W":  # weight gradients stay where the weights are
+            recvs.append([])
+            sends.append([])
         else:
             recvs.append(remote(GRAD, send_edges[s], 1, i))
             sends.append(remote(GRAD, recv_edges[s], 0, i))

@@ -1,8 +1,9 @@
 """Which rank runs what: pipeline workers × data-parallel replicas on a device mesh.
 
 The world is a ``(data_parallel, workers)`` mesh: rank ``r`` is worker ``r % workers``
-of replica ``r // workers``. Worker ``w`` runs stages ``w, w + workers, …`` (one stage
-unless the schedule is interleaved). Activations and gradients move along the mesh's
+of replica ``r // workers``. Worker ``w`` runs the stages the schedule puts on it (one
+stage for GPipe and 1F1B; ``w, w + workers, …`` interleaved; ``w`` and ``2·workers−1−w``
+for ZB-V; anything for a custom schedule). Activations and gradients move along the mesh's
 ``"pp"`` dimension with point-to-point ops; gradients are averaged along ``"dp"``.
 """
 
@@ -37,7 +38,11 @@ class Layout:
     world: int
     workers: int
     replicas: int
-    num_stages: int
+    stage_workers: tuple[int, ...]  # the worker of every stage, from the schedule
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_workers)
 
     @property
     def worker(self) -> int:
@@ -48,14 +53,14 @@ class Layout:
         return self.rank // self.workers
 
     def worker_of(self, stage: int) -> int:
-        return stage % self.workers
+        return self.stage_workers[stage]
 
     def rank_of_stage(self, stage: int) -> int:
         """The rank running ``stage`` in this process's replica."""
         return self.replica * self.workers + self.worker_of(stage)
 
     def stages_of(self, worker: int) -> list[int]:
-        return list(range(worker, self.num_stages, self.workers))
+        return [s for s, w in enumerate(self.stage_workers) if w == worker]
 
     @property
     def my_stages(self) -> list[int]:
@@ -67,11 +72,12 @@ class Layout:
         return where + (f" of replica {rank // self.workers}" if self.replicas > 1 else "")
 
 
-def make_layout(plan: Plan, num_stages: int) -> Layout:
-    """The layout for this process. Raises PlanError when the world size does not fit."""
+def make_layout(plan: Plan, stage_workers: list[int]) -> Layout:
+    """The layout for this process, given the worker of every stage (the schedule's
+    placement). Raises PlanError when the world size does not fit."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    workers = num_stages // plan.chunks
+    workers = max(stage_workers) + 1
     if workers * plan.data_parallel != world:
         raise PlanError(
             f"the plan needs {workers} pipeline worker(s) × data_parallel={plan.data_parallel} = "
@@ -79,7 +85,7 @@ def make_layout(plan: Plan, num_stages: int) -> Layout:
             f"{workers * plan.data_parallel} processes (torchrun --nproc-per-node "
             f"{workers * plan.data_parallel}) or change plan.split / plan.chunks / plan.data_parallel"
         )
-    return Layout(rank, world, workers, plan.data_parallel, num_stages)
+    return Layout(rank, world, workers, plan.data_parallel, tuple(stage_workers))
 
 
 def rank_device(stage_device: str) -> torch.device:

@@ -33,6 +33,7 @@ from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
 from fxpipe.runtime.streams import move
+from fxpipe.schedules import describe_schedule
 
 _instances = itertools.count()
 
@@ -54,10 +55,10 @@ class DistributedPipeline(PipelineBase):
     ) -> None:
         plan = part.plan
         num_stages = part.num_stages
-        layout = make_layout(plan, num_stages)
+        layout = make_layout(plan, part.stage_workers)
         self.device = rank_device(part.stages[layout.my_stages[0]].device)
         init_process_group(self.device, plan.timeout)
-        self.layout = layout = make_layout(plan, num_stages)
+        self.layout = layout = make_layout(plan, part.stage_workers)
         self.rank, self.world_size = layout.rank, layout.world
         self.replicas, self.replica = layout.replicas, layout.replica
         self.local_stages = layout.my_stages
@@ -184,7 +185,7 @@ class DistributedPipeline(PipelineBase):
         try:
             return comm.nccl_plans(plans)[self.layout.rank]
         except comm.CommPlanError as err:
-            raise PlanError(f"plan.schedule={self.plan.schedule!r} cannot run on NCCL: {err}") from err
+            raise PlanError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
 
     def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
         if not self.is_last:
@@ -225,7 +226,7 @@ class DistributedPipeline(PipelineBase):
     def __repr__(self) -> str:
         return (
             f"DistributedPipeline(rank {self.rank}/{self.world_size}, stages {self.local_stages} on {self.device}, "
-            f"schedule={self.plan.schedule!r}, replicas={self.layout.replicas})"
+            f"schedule={describe_schedule(self.plan.schedule)}, replicas={self.layout.replicas})"
         )
 
 
@@ -236,6 +237,7 @@ def _fingerprint_parts(part: Partitioned, layout: Any) -> dict[str, str]:
     """What every rank must agree on, by part: the plan, the world layout, each stage."""
     plan = part.plan
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    fields["schedule"] = describe_schedule(plan.schedule)  # a function's repr holds its address
     parts = {"plan": repr(sorted(fields.items(), key=lambda kv: kv[0])), "layout": f"world {layout.world} workers {layout.workers} replicas {layout.replicas}"}
     for s in part.stages:
         tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(s.module.named_parameters()) + list(s.module.named_buffers())]
@@ -247,7 +249,7 @@ def _fingerprint_parts(part: Partitioned, layout: Any) -> dict[str, str]:
 def _plan_summary(part: Partitioned, layout: Any) -> str:
     p = part.plan
     return (
-        f"{part.num_stages} stages, split={p.split!r}, schedule={p.schedule!r}, microbatches={p.microbatches}, "
+        f"{part.num_stages} stages, split={p.split!r}, schedule={describe_schedule(p.schedule)}, microbatches={p.microbatches}, "
         f"chunks={p.chunks}, data_parallel={p.data_parallel}, world={layout.world}"
     )
 

@@ -23,7 +23,7 @@ from fxpipe import microbatch
 from fxpipe.placement import skeleton
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.schedules import Schedule, forward_only, make_schedule
+from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
 from fxpipe.views import PipelineViews
 
 
@@ -132,9 +132,18 @@ class PipelineBase(PipelineViews):
 
     # ------------------------------------------------------------------ running
     def _actions(self, m: int, train: bool) -> Schedule:
-        """Every worker's action list for ``m`` micro-batches (forwards only for inference)."""
+        """Every worker's action list for ``m`` micro-batches (forwards only for inference),
+        proven to run on the stage graph. Raises ScheduleError when the plan's schedule
+        cannot serve ``m`` or would move a stage to another worker than it was placed on."""
         if (m, train) not in self._schedules:
-            actions = make_schedule(self.plan.schedule, self.part.num_stages, m, self.plan.chunks)
+            part = self.part
+            actions = resolve_schedule(self.plan.schedule, part.num_stages, m, self.plan.chunks, part.deps)
+            if stage_workers(actions) != part.stage_workers:
+                raise ScheduleError(
+                    f"the schedule for {m} micro-batches puts the stages on workers {stage_workers(actions)}, "
+                    f"but they were placed for workers {part.stage_workers}; a schedule must place stages "
+                    "the same way for every micro-batch count"
+                )
             self._schedules[(m, train)] = actions if train else forward_only(actions)
         return self._schedules[(m, train)]
 
