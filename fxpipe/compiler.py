@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.costs import auto_split, ensure_costs, lookup
 from fxpipe.devices import check_available, default_devices
@@ -18,6 +20,7 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
+from fxpipe.passes.generalise import check_generalises
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
@@ -118,22 +121,124 @@ def partition(
     if profile is not None:
         profile.apply(gm.graph)
     assignment, how = _annotate(gm.graph, plan, model, resolve)
+    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    return _cut(
+        traced, plan, assignment, how, type(model).__name__, lambda s: resolve, _unused_state(model, used),
+        example_inputs, kwargs,
+    )
+
+
+def partition_like(
+    first: Partitioned,
+    model: nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    resolve_for: Callable[[int], Callable[[str], Any]],
+) -> Partitioned:
+    """The partition of another call signature of ``first``'s model: traced again for
+    ``model(*args, **kwargs)``, cut at the same stage boundaries, on the same devices.
+
+    ``model`` is a skeleton of the model (``fxpipe.placement.skeleton``: code and
+    structure, no memory); it is traced on fake tensors placed where the real ones are.
+    ``resolve_for(s)`` resolves a target for stage ``s`` (the placed modules and tensors of
+    its device, so every signature's stages share the same parameters). Raises
+    TraceError/TraceMismatch when the call cannot be traced faithfully, AnnotateError when
+    the new trace lacks a stage boundary of the first, PlanError when it would need
+    another number of stages or another placement.
+    """
+    plan = first.plan
+    traced, mode = _retrace(model, first.frontend, plan, args, kwargs)
+    check_generalises(model, traced, args, kwargs, mode=mode)  # writes node.meta["val"]
+    graph = traced.graph_module.graph
+    if plan.split == "auto":
+        assignment = annotate_pass.annotate_by_anchors(graph, first.anchors, [s.reason for s in first.stages])
+        how = "split='auto' (the first signature's cut)"
+    else:
+        assignment, how = _annotate(graph, plan, model, resolve_for(0))
+    if assignment.num_stages != first.num_stages:
+        raise PlanError(
+            f"the trace for {traced.key} has {assignment.num_stages} stage(s) by {how}, the first signature "
+            f"{first.num_stages}: stage boundaries must not move between signatures"
+        )
+    own = functools.partial(_shared_or_traced, traced)
+    part = _cut(traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, resolve_for(s)), {}, args, dict(kwargs), devices=first.devices)
+    if part.stage_workers != first.stage_workers:
+        raise PlanError(f"the trace for {traced.key} places stages on workers {part.stage_workers}, the first signature on {first.stage_workers}")
+    return part
+
+
+def _shared_or_traced(traced: Any, placed: Callable[[str], Any], target: str) -> Any:
+    """A later signature's target: parameters, buffers and the modules holding them are the
+    placed ones (shared by every signature); what holds no tensor (export's guard
+    function, higher-order-op subgraphs, a training flag, a Dropout) is this trace's own."""
+    try:
+        value = placed(target)
+    except AttributeError:
+        value = None
+    if isinstance(value, torch.Tensor) or (isinstance(value, nn.Module) and _holds_state(value)):
+        return value
+    own = lookup([traced.graph_module, traced.root], target)
+    if isinstance(own, torch.Tensor) or (isinstance(own, nn.Module) and _holds_state(own)):
+        raise CompileError(
+            f"the trace of {traced.key} uses {target!r}, a tensor the first signature's stages do not hold "
+            "(a constant the model's forward creates): fxpipe cannot share it across signatures; register it "
+            "as a buffer of the model, or compile a pipeline per signature"
+        )
+    return own
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Any, FakeTensorMode]:
+    """Trace a skeleton for a call: its tensors and the call's made fake where the real ones
+    live (export then records the right devices; nothing is computed). Returns the trace,
+    whose GraphModule holds those fakes, and their FakeTensorMode."""
+    devices = getattr(model, "fxpipe_devices", {})
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    with mode:
+        for name, t in itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+            if id(t) not in memo:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=devices.get(name, t.device))
+                memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        fake_model = copy.deepcopy(model, memo)
+        fake_args, fake_kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), (tuple(args), dict(kwargs))
+        )
+    return trace(fake_model, fake_args, fake_kwargs, frontend, plan.leaf_modules, plan.concrete_args), mode
+
+
+def _cut(
+    traced: Any,
+    plan: Plan,
+    assignment: annotate_pass.StageAssignment,
+    how: str,
+    model_name: str,
+    resolve_for: Callable[[int], Callable[[str], Any]],
+    unused_state: dict[str, Any],
+    example_inputs: tuple,
+    example_kwargs: dict,
+    devices: list[str] | None = None,
+) -> Partitioned:
+    """Partition an annotated trace, run the per-stage passes, and describe the result."""
+    gm = traced.graph_module
     annotate_pass.check_monotone(gm.graph)
+    stage_anchors = annotate_pass.anchors(gm.graph) if plan.split == "auto" and assignment.num_stages > 1 else []
     number_random_ops(gm.graph, gm)  # keys from the whole graph: a node's masks do not depend on the split
     cut = partition_pass(gm.graph, assignment.num_stages)
     deps = sorted({(e.src, e.dst) for e in cut.edges})
     actions = _schedule(plan, assignment.num_stages, deps)
     workers = stage_workers(actions)
-    devices = _stage_devices(plan, workers, assignment.tag_devices, how)
-    used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    devices = devices or _stage_devices(plan, workers, assignment.tag_devices, how)
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
     split_backward = any(a.op in ("I", "W") for todo in actions for a in todo)
     stages = []
     for s in range(assignment.num_stages):
         graph = stage_graph(cut, s)
-        extra = _unused_state(model, used) if s == 0 else {}
-        module = build_stage_module(graph, resolve, extra, f"Stage{s}")
+        module = build_stage_module(graph, resolve_for(s), unused_state if s == 0 else {}, f"Stage{s}")
         paths = [n.meta.get(MODULE_PATH, "") for n in graph.nodes if n.op in COMPUTE_OPS]
         inputs = [n.name for n in graph.nodes if n.op == "placeholder"][: num_model_inputs if s == 0 else 0]
         recv, send = cut.recv_edges(s), cut.send_edges(s)
@@ -155,8 +260,9 @@ def partition(
             )
         )
     return Partitioned(
-        plan, type(model).__name__, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
-        example_inputs, kwargs, list(traced.notes), deps, workers,
+        plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
+        example_inputs, example_kwargs, list(traced.notes), deps, workers,
+        key=traced.key, key_of=traced.key_of, anchors=stage_anchors,
     )
 
 

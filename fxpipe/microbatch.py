@@ -196,34 +196,13 @@ def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any
 
 def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, size: int | None) -> dict[str, int | None]:
     """dim 0 (None for 0-d) of every tensor output when the batch-sized inputs have ``size`` rows."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
+    from fxpipe.passes.generalise import eager_on_fake
 
-    from fxpipe.placement import skeleton
+    def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+        return (size, *t.shape[1:]) if t.dim() > 0 and t.shape[0] == n else tuple(t.shape)
 
-    model = skeleton(model)  # forward may cache values in attributes: never in the caller's module
-    mode = FakeTensorMode()
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    # a skeleton (fxpipe.placement.skeleton) knows where its meta tensors really live
-    devices = getattr(model, "fxpipe_devices", {})
-    on_meta = any(torch.device(devices.get(name, t.device)).type == "meta" for name, t in state.items())
-    with mode:
-        fake_state = {
-            name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=devices.get(name, t.device))
-            for name, t in state.items()
-        }
-
-    def fake(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        device = torch.device("meta") if on_meta else leaf.device
-        shape = (size, *leaf.shape[1:]) if leaf.dim() > 0 and leaf.shape[0] == n else tuple(leaf.shape)
-        with mode:
-            return torch.empty(shape, dtype=leaf.dtype, device=device)
-
-    fake_args, fake_kwargs = pytree.tree_map(fake, (tuple(args), kwargs))
-    with mode, torch.no_grad():
-        out = functional_call(model, fake_state, fake_args, fake_kwargs)
+    with torch.no_grad():
+        out = eager_on_fake(model, tuple(args), kwargs, getattr(model, "fxpipe_devices", None), shape_of)
     return {
         path_of(key_path): (int(leaf.shape[0]) if leaf.dim() > 0 else None)
         for key_path, leaf in _leaves_with_paths(out)

@@ -25,7 +25,10 @@ class Partitioned:
     graph: the whole partitioned program with explicit send/recv nodes;
     frontend: "fx" or "export"; notes: what happened while compiling;
     deps: the stage graph, (producer, consumer) pairs; stage_workers: the worker each stage
-    runs on under the plan's schedule (compile-time facts the runtimes read).
+    runs on under the plan's schedule (compile-time facts the runtimes read);
+    key: the signature of the call the trace was made for (``key_of(args, kwargs)`` gives a
+    call's in the same terms); anchors: where each stage after the first begins, to cut
+    another signature's trace at the same places.
     """
 
     plan: Plan
@@ -40,6 +43,9 @@ class Partitioned:
     notes: list[str] = field(default_factory=list)
     deps: list[tuple[int, int]] = field(default_factory=list)
     stage_workers: list[int] = field(default_factory=list)
+    key: Any = None
+    key_of: Callable[..., Any] | None = None
+    anchors: list[Any] = field(default_factory=list)
 
     @property
     def num_workers(self) -> int:

@@ -2,23 +2,28 @@
 
 Stage modules are placed as copies (see :mod:`fxpipe.placement`); a
 :class:`~fxpipe.runtime.local.LocalExecutor` runs them on the plan's schedule, one thread
-per pipeline worker.
+per pipeline worker. A call with another input signature (another sequence length under
+torch.export, another None pattern) is traced and cut again once, at the same stage
+boundaries, its stages sharing the placed parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from fxpipe.compiler import partition_like
+from fxpipe.costs import lookup
 from fxpipe.devices import torch_device
 from fxpipe.partitioned import Partitioned
 from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
+from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.schedules import describe_schedule
 
 
@@ -37,16 +42,29 @@ class Pipeline(PipelineBase):
         self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
-        runners = [
-            make_runner(s, s.module, torch_device(s.device), len(self.stages), self.plan.checkpoint) for s in self.stages
-        ]
+        self._executor = LocalExecutor(self.plan.timeout)
+        self._first_program(self._runners(self.stages))
+
+    def _runners(self, stages: list) -> dict[int, Any]:
+        return {s.index: make_runner(s, s.module, torch_device(s.device), len(stages), self.plan.checkpoint) for s in stages}
+
+    def _compile_program(self, args: tuple, kwargs: dict) -> Program:
+        part = partition_like(self.part, self._model, args, kwargs, self._resolve_for)
         edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
-        self._executor = LocalExecutor(runners, edge_ends, self.plan.timeout)
+        return Program(part, self._runners(part.stages), edge_ends)
+
+    def _resolve_for(self, stage: int) -> Any:
+        """Targets of stage ``stage`` of a later signature: the placed copies on its device."""
+        device = self.stages[stage].device
+        held = [s.module for s in self.stages if s.device == device]
+        return functools.partial(lookup, held)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
+        program = batch.program
         self._placement.sync_replicas()
-        actions = self._actions(len(batch.inputs), ctx.train)
-        self._last_events = self._executor.run(actions, batch.inputs, ctx, record=True)
+        actions = self._actions(len(batch.inputs), ctx.train, program.part)
+        runners = [program.runners[s] for s in range(program.part.num_stages)]
+        self._last_events = self._executor.run(actions, batch.inputs, ctx, runners, program.edge_ends, record=True)
         if ctx.train:
             self._placement.reduce_replica_grads()
 
@@ -54,7 +72,7 @@ class Pipeline(PipelineBase):
         return self._merged(batch, [ctx.outputs[i] for i in range(len(batch.inputs))])
 
     def _step_loss(self, ctx: StepContext) -> torch.Tensor:
-        last_device = self._executor.runners[-1].device
+        last_device = torch_device(self.stages[-1].device)
         return torch.stack([ctx.losses[i].to(last_device) for i in sorted(ctx.losses)]).sum()
 
     def _after_load(self) -> None:

@@ -38,25 +38,48 @@ class TraceMismatch(TraceError):
     """A trace computes something else than the model for a call: trace that call again."""
 
 
-def eager_on_fake(model: nn.Module, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+def eager_on_fake(
+    model: nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any],
+    devices: Mapping[str, Any] | None = None,
+    shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+) -> Any:
     """What ``model(*args, **kwargs)`` returns, computed on fake tensors: shapes, dtypes and
     structure, no values. The model's parameters, buffers, attributes and the global RNG
-    are left as they were. Raises what the model's forward raises on fake tensors."""
+    are left as they were. Raises what the model's forward raises on fake tensors.
+
+    devices: where each parameter and buffer (by name) really lives, for a model whose
+    tensors stand on the meta device (a skeleton): the fakes are made there, so a forward
+    that creates tensors on the default device meets them where eager would. shape_of:
+    the shape to fake each input tensor at (default its own), to ask "what if the batch
+    were larger".
+    """
     # defaults bound too: a tensor default must be faked like any input
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     args, kwargs = bound.args, bound.kwargs
+    devices = dict(devices or {})
     # real tensors the forward makes itself (constants, plain attributes) are allowed in
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
         state = {
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),
         }
-        fakes = {name: mode.from_tensor(t, static_shapes=True) for name, t in state.items()}
-        on_meta = any(t.is_meta for t in state.values())
-        fake_args, fake_kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: mode.from_tensor(t.to("meta") if on_meta else t, static_shapes=True), (tuple(args), dict(kwargs))
-        )
+        made: dict[int, torch.Tensor] = {}  # one fake per tensor: tied names share it, as functional_call wants
+        fakes = {}
+        for name, t in state.items():
+            if id(t) not in made:
+                made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=devices.get(name, t.device))
+            fakes[name] = made[id(t)]
+        on_meta = any(torch.device(f.device).type == "meta" for f in fakes.values())
+
+        def fake_input(t: torch.Tensor) -> torch.Tensor:
+            shape = tuple(shape_of(t)) if shape_of is not None else tuple(t.shape)
+            device = "meta" if on_meta else t.device
+            return torch.empty(shape, dtype=t.dtype, device=device)
+
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_input, (tuple(args), dict(kwargs)))
         with preserved_module_state(model):
             return torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
 
@@ -67,11 +90,13 @@ def check_generalises(
     args: tuple = (),
     kwargs: Mapping[str, Any] | None = None,
     resolve: Callable[[str], Any] | None = None,
+    mode: FakeTensorMode | None = None,
 ) -> bool:
     """Check that ``traced`` computes what ``model(*args, **kwargs)`` computes, on fake tensors.
 
     ``resolve(target)`` fetches the graph's modules and tensors (default: the traced
-    GraphModule's own attributes). Returns True when checked, False when the eager model
+    GraphModule's own attributes); ``mode``: the FakeTensorMode they belong to, for a trace
+    made on fake tensors. Returns True when checked, False when the eager model
     cannot run on fake tensors (data-dependent shapes: unchecked, see the module doc).
     Raises SignatureError when the call does not fit the trace's signature, TraceMismatch
     naming the first output that differs, the two values, and the module and source line
@@ -79,14 +104,16 @@ def check_generalises(
     """
     kwargs = dict(kwargs or {})
     inputs = traced.bind_inputs(tuple(args), kwargs)
+    devices = getattr(model, "fxpipe_devices", None)  # a skeleton says where its tensors live
     try:
-        expected = eager_on_fake(model, tuple(args), kwargs)
+        expected = eager_on_fake(model, tuple(args), kwargs, devices)
     except Exception:  # noqa: BLE001 - data-dependent: fake tensors cannot say
         return False
     gm = traced.graph_module
-    if any(t.is_meta for t in model.parameters()):  # a model built on the meta device
+    on_meta = any(t.is_meta and torch.device((devices or {}).get(n, "meta")).type == "meta" for n, t in model.named_parameters())
+    if on_meta:  # a model built on the meta device
         inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
-    propagate_shapes(gm, inputs, resolve)
+    propagate_shapes(gm, inputs, resolve, mode)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     got = traced.build_output(torch.fx.map_arg(output.args[0], lambda n: n.meta.get(VAL)))
     mismatch = _first_difference(expected, got)

@@ -68,16 +68,18 @@ class _FakeInterpreter(fx.Interpreter):
         return result
 
 
-def propagate_shapes(gm: fx.GraphModule, inputs: list, resolve: Any = None) -> None:
+def propagate_shapes(gm: fx.GraphModule, inputs: list, resolve: Any = None, mode: FakeTensorMode | None = None) -> None:
     """Record ``node.meta["val"]`` for every node of ``gm`` given one value per placeholder.
 
     ``resolve(target)`` fetches a module or tensor by qualified name (defaults to
     ``gm.get_submodule``/``getattr`` chains on ``gm``). Tensors in ``inputs`` are faked,
-    so nothing is computed for real and no parameter or buffer changes.
+    so nothing is computed for real and no parameter or buffer changes. ``mode``: the
+    FakeTensorMode to run in, when ``resolve`` hands out fake tensors of that mode (a
+    model traced on fake tensors).
     """
     if resolve is None:
         resolve = functools.partial(_attribute, gm)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with mode or FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_inputs = pytree.tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), inputs)
         interpreter = _FakeInterpreter(gm, mode, resolve)
         interpreter.run(*fake_inputs)

@@ -97,6 +97,16 @@ class TraceKey:
             parts.append(f"{name}: {_render(pytree.tree_unflatten(list(leaves), spec))}")
         return ", ".join(parts)
 
+    def brief(self) -> str:
+        """Like ``str``, without the arguments that are None and empty containers: what a
+        summary shows of a signature (``input_ids: i64[*, 16]``)."""
+        parts = []
+        for name, spec, leaves in self.arguments:
+            if not leaves or all(isinstance(d, Constant) and d.value is None for d in leaves):
+                continue
+            parts.append(f"{name}: {_render(pytree.tree_unflatten(list(leaves), spec))}")
+        return ", ".join(parts) or "(no arguments)"
+
     def batch_free(self) -> TraceKey:
         """The key without the batch size: dim 0 of every tensor whose dim 0 is the first
         tensor's (the batch, which micro-batching cuts; a symbolic one counts too). What a

@@ -130,7 +130,7 @@ def two_rank_cases() -> dict:
         out[f"mlp batch {n}"] = compare(pipe, ref, eager_loss, pipe.step(xb, target=tb))
     y = pipe(xb)
     out["forward"] = None if y is None else float((y - net(xb)).abs().max())
-    out["signatures"] = len(pipe._specs)
+    out["signatures"] = sum(len(p.specs) for p in pipe._programs.values())
 
     # one runtime for both executors: a step under no_grad still computes every gradient,
     # and a float64 model's loss crosses ranks in float64

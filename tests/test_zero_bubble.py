@@ -80,7 +80,7 @@ def test_after_I_only_what_W_needs_is_held() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Tanh(), nn.Linear(8, 3)).double()
     x, t = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 3, (4,))
     pipe = fxpipe.compile(model, dict(microbatches=1, schedule=[[fxpipe.Action("F", 0, 0), fxpipe.Action("I", 0, 0), fxpipe.Action("W", 0, 0)]]), example_inputs=(x,), loss_fn=CE)
-    runner = pipe._executor.runners[0]
+    runner = next(iter(pipe._programs.values())).runners[0]
     held: dict[str, weakref.ref] = {}
     tanh = pipe.stages[0].module.get_submodule("1")
     tanh.register_forward_hook(lambda mod, args, out: held.update(tanh=weakref.ref(out)))

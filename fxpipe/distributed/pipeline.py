@@ -12,6 +12,7 @@ elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe import microbatch
+from fxpipe.compiler import partition_like
+from fxpipe.costs import lookup
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog, check_same_plan
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
@@ -31,7 +34,7 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.pipeline import Batch, PipelineBase, make_runner
+from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
 
@@ -70,9 +73,6 @@ class DistributedPipeline(PipelineBase):
         self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout, layout.world)
         self.mesh = make_mesh(layout, self.device)
 
-        self._edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
-        self._recv = [s.recv_ids for s in part.stages]
-        self._send = [s.send_ids for s in part.stages]
         self._skeletons = [skeleton(s.module) for s in part.stages]
 
         aliases = alias_groups(model)
@@ -87,10 +87,8 @@ class DistributedPipeline(PipelineBase):
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
         self._partial_state = True
-        self.executor = RankExecutor(
-            runners, self.device, layout.rank, layout.rank_of_stage, self._edge_ends, self.watchdog,
-            fused=self.device.type == "cuda", worker=layout.worker,
-        )
+        self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
+        self._first_program(runners, skeletons=self._skeletons)
         self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
         self._averager = None
         self._dp_group = None
@@ -100,8 +98,6 @@ class DistributedPipeline(PipelineBase):
             self._broadcast_from_first_replica(dp_group)
             self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas, self.watchdog)
         self._barrier()
-        self._specs: dict[tuple, dict[int, ValueSpec]] = {}
-        self._messages: dict[tuple, comm.ActionMessages] = {}
 
     # -------------------------------------------------------------- set-up
     @staticmethod
@@ -141,29 +137,51 @@ class DistributedPipeline(PipelineBase):
         self.watchdog.wait([(work, None)], lambda: "the other ranks to finish setting up", peers=range(self.world_size))
 
     # ------------------------------------------------------------- running
-    def _edge_specs(self, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
+    def _compile_program(self, args: tuple, kwargs: dict) -> Program:
+        """Another input signature's stages: this rank's share the materialized parameters;
+        the others are meta skeletons, for shapes. Every rank traces the same call alike."""
+        local = {s: self._programs_first().runners[s].module for s in self.local_stages}
+
+        def resolve_for(stage: int) -> Any:
+            roots = list(local.values()) if stage in local else [self._model]
+            return functools.partial(lookup, roots)
+
+        part = partition_like(self.part, self._model, args, kwargs, resolve_for)
+        runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan.checkpoint) for s in self.local_stages}
+        skeletons = [skeleton(st.module) for st in part.stages]
+        return Program(part, runners, [(e.src, e.dst) for e in part.partitioned.edges], skeletons=skeletons)
+
+    def _programs_first(self) -> Program:
+        return next(iter(self._programs.values()))
+
+    def _edge_specs(self, program: Program, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
         """Each micro-batch's edge specs, derived once per input signature (shapes and
         dtypes of the inputs, train or not, the stages' modes and the caller's autocast)."""
-        modes = tuple(m.training for m in self._skeletons)
+        modes = tuple(m.training for m in program.skeletons)
+        stages = program.part.stages
+        recv, send = [st.recv_ids for st in stages], [st.send_ids for st in stages]
         keys = []
         for flat in inputs:
             key = (signature(flat), ctx.train, modes, ctx.autocast)
-            if key not in self._specs:
-                extras = [fake_extras(st) for st in self.part.stages]
-                self._specs[key] = derive_edge_specs(self._skeletons, self._recv, self._send, flat, ctx.train, ctx.autocast, extras)
+            if key not in program.specs:
+                extras = [fake_extras(st) for st in stages]
+                program.specs[key] = derive_edge_specs(program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras)
             keys.append(key)
-        return [self._specs[k] for k in keys], tuple(keys)
+        return [program.specs[k] for k in keys], tuple(keys)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
-        specs, key = self._edge_specs(batch.inputs, ctx)
-        actions = self._actions(len(batch.inputs), ctx.train)
+        program = batch.program
+        specs, key = self._edge_specs(program, batch.inputs, ctx)
+        actions = self._actions(len(batch.inputs), ctx.train, program.part)
         spec = lambda e, i: specs[i][e]  # noqa: E731
-        if key not in self._messages:  # key holds ``train`` already
-            self._messages[key] = self._plan_messages(actions, spec)
+        if key not in program.messages:  # key holds ``train`` already
+            program.messages[key] = self._plan_messages(program, actions, spec)
         on_done = self._averager.start if (ctx.train and self._averager is not None) else None
         if ctx.train:
             self._tied.before_step()
-        self._last_events = self.executor.run(actions[self.layout.worker], self._messages[key], batch.inputs, spec, ctx, on_done)
+        self._last_events = self.executor.run(
+            actions[self.layout.worker], program.messages[key], batch.inputs, spec, ctx, program.runners, program.edge_ends, on_done
+        )
         if not ctx.train:
             return
         if self._averager is not None:
@@ -172,12 +190,14 @@ class DistributedPipeline(PipelineBase):
                 average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
 
-    def _plan_messages(self, actions: list, spec: Any) -> comm.ActionMessages:
+    def _plan_messages(self, program: Program, actions: list, spec: Any) -> comm.ActionMessages:
         """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
         first = self.layout.replica * self.layout.workers
         ranks = range(first, first + self.layout.workers) if self.executor.fused else [self.layout.rank]
+        stages = program.part.stages
+        recv, send = [st.recv_ids for st in stages], [st.send_ids for st in stages]
         plans = {
-            r: comm.messages_for(actions[r - first], self._recv, self._send, self._edge_ends, self.layout.rank_of_stage, r, spec)
+            r: comm.messages_for(actions[r - first], recv, send, program.edge_ends, self.layout.rank_of_stage, r, spec)
             for r in ranks
         }
         if not self.executor.fused:
@@ -191,7 +211,7 @@ class DistributedPipeline(PipelineBase):
         if not self.is_last:
             return None
         targets = [move(t, self.device, detach=True) for t in batch.targets]  # the target goes where the last stage's output is
-        return microbatch.weighted_loss(loss_fn, self.part.build_output, targets, weights)
+        return microbatch.weighted_loss(loss_fn, batch.program.part.build_output, targets, weights)
 
     def _output(self, batch: Batch, ctx: StepContext) -> Any:
         """The model's output on the ranks holding the last stage (this replica's shard of
@@ -215,8 +235,9 @@ class DistributedPipeline(PipelineBase):
 
     def train(self, mode: bool = True) -> DistributedPipeline:
         super().train(mode)
-        for sk in self._skeletons:
-            sk.train(mode)
+        for program in self._programs.values():
+            for sk in program.skeletons:
+                sk.train(mode)
         return self
 
     @property

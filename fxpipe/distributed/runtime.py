@@ -30,28 +30,23 @@ from fxpipe.timeline import Event
 class RankExecutor:
     """Runs this rank's action list for one step.
 
-    runners: this rank's stages by index; device: where they run; rank_of_stage: which
-    rank holds any stage (this replica); edge_ends: (src, dst) stage per edge id;
-    fused: post ops NCCL's way (see comm); watchdog: waits with a deadline;
+    device: where this rank's stages run; rank_of_stage: which rank holds any stage (this
+    replica); fused: post ops NCCL's way (see comm); watchdog: waits with a deadline;
     worker: this rank's pipeline position (for the recorded timeline).
     """
 
     def __init__(
         self,
-        runners: dict[int, StageRunner],
         device: torch.device,
         rank: int,
         rank_of_stage: Callable[[int], int],
-        edge_ends: Sequence[tuple[int, int]],
         watchdog: Watchdog,
         fused: bool,
         worker: int = 0,
     ) -> None:
-        self.runners = runners
         self.device = device
         self.rank = rank
         self.rank_of_stage = rank_of_stage
-        self.edge_ends = list(edge_ends)
         self.watchdog = watchdog
         self.fused = fused
         self.worker = worker
@@ -63,17 +58,21 @@ class RankExecutor:
         inputs: Sequence[list],
         spec: Callable[[int, int], ValueSpec],
         ctx: StepContext,
+        runners: dict[int, StageRunner],
+        edge_ends: Sequence[tuple[int, int]],
         on_stage_done: Callable[[int], None] | None = None,
     ) -> list[Event]:
         """Run one step of this rank's ``actions``; return the recorded events.
 
         plan: this rank's messages for ``actions`` (see comm); inputs: per micro-batch, the
         model's flat inputs (used by stage 0); spec(edge, i): the edge's ValueSpec for
-        micro-batch i; on_stage_done(s): called after a stage's last backward (data-parallel
-        reduction starts there). The last stage's outputs and losses land in ``ctx``.
-        Raises RankFailedError naming the failing rank and stage.
+        micro-batch i; runners: this rank's stages (of the call's input signature) by
+        index; edge_ends: (src, dst) stage per edge id; on_stage_done(s): called after a
+        stage's last backward (data-parallel reduction starts there). The last stage's
+        outputs and losses land in ``ctx``. Raises RankFailedError naming the failing rank
+        and stage.
         """
-        num_edges = len(self.edge_ends)
+        num_edges = len(edge_ends)
         events: list[Event] = []
         local: dict[tuple, Any] = {}  # values and gradients between stages of this rank
         received: dict[tuple, list[torch.Tensor]] = {}
@@ -117,7 +116,7 @@ class RankExecutor:
             return full
 
         def forward(k: int, action: Action) -> list:
-            runner, i = self.runners[action.stage], action.microbatch
+            runner, i = runners[action.stage], action.microbatch
             values = [activation(edge, i) for edge in runner.recv]
             outs = runner.forward(i, inputs[i] if runner.index == 0 else (), values, ctx)
             remote = {msg.edge: msg for msg in plan.sends[k]}
@@ -128,12 +127,12 @@ class RankExecutor:
                     tensors = _tensor_leaves(value)
                     _check_shapes(tensors, spec(edge, i), msg, self.rank, runner.index)
                     sends.append((msg, [t.detach().contiguous() for t in tensors]))
-                if self.rank_of_stage(self.edge_ends[edge][1]) == self.rank:
+                if self.rank_of_stage(edge_ends[edge][1]) == self.rank:
                     local[(comm.ACT, edge, i)] = value
             return sends
 
         def backward(k: int, action: Action) -> list:
-            runner, i = self.runners[action.stage], action.microbatch
+            runner, i = runners[action.stage], action.microbatch
             if action.op == "W":
                 runner.backward_weight(i, ctx)
                 return []

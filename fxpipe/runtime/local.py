@@ -102,22 +102,29 @@ class _Thread:
 
 
 class LocalExecutor:
-    """Runs action lists over stage runners in one process.
+    """Runs action lists over stage runners in one process, on worker threads it keeps.
 
-    edge_ends: (producer stage, consumer stage) per edge id; timeout: seconds any one
-    action or wait may last before the step fails.
+    timeout: seconds any one action or wait may last before the step fails.
     """
 
-    def __init__(self, runners: Sequence[StageRunner], edge_ends: Sequence[tuple[int, int]], timeout: float) -> None:
-        self.runners = list(runners)
-        self.edge_ends = list(edge_ends)
+    def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._threads: dict[int, _Thread] = {}
 
-    def run(self, actions: Sequence[Sequence[Action]], inputs: Sequence[list], ctx: StepContext, record: bool = False) -> list[Event]:
+    def run(
+        self,
+        actions: Sequence[Sequence[Action]],
+        inputs: Sequence[list],
+        ctx: StepContext,
+        runners: Sequence[StageRunner],
+        edge_ends: Sequence[tuple[int, int]],
+        record: bool = False,
+    ) -> list[Event]:
         """Run one step: ``actions`` one list per worker, ``inputs`` the model's flat inputs
-        per micro-batch. The last stage's outputs and losses land in ``ctx``; returns the
-        recorded events (empty unless ``record``). Raises PipelineError naming the stage."""
+        per micro-batch, ``runners`` one per stage (of the call's input signature) and
+        ``edge_ends`` (producer stage, consumer stage) per edge id. The last stage's outputs
+        and losses land in ``ctx``; returns the recorded events (empty unless ``record``).
+        Raises PipelineError naming the stage."""
         box = _Mailbox()
         states = [_State() for _ in actions]
         events: list[Event] = []
@@ -158,7 +165,7 @@ class LocalExecutor:
                 for action in plan:
                     if box.failed is not None:
                         return
-                    runner = self.runners[action.stage]
+                    runner = runners[action.stage]
                     if stream is None:
                         stream = WorkerStream(runner.device)
                     state.action, state.since = action, time.monotonic()
@@ -180,7 +187,7 @@ class LocalExecutor:
                 pass
             except BaseException as err:  # noqa: BLE001 - reported by the calling thread
                 failure = PipelineError(
-                    f"stage {action.stage} on {self.runners[action.stage].name or self.runners[action.stage].device} "
+                    f"stage {action.stage} on {runners[action.stage].name or runners[action.stage].device} "
                     f"failed in {action} (micro-batch {action.microbatch}): {type(err).__name__}: {err}",
                     action.stage,
                     action,
@@ -194,7 +201,7 @@ class LocalExecutor:
         for w, plan in enumerate(actions):
             self._thread(w).jobs.put(lambda w=w, plan=plan: work(w, plan))
         workers = {a.stage: w for w, plan in enumerate(actions) for a in plan}
-        self._watch(box, states, finished, workers)
+        self._watch(box, states, finished, workers, runners, edge_ends)
         if box.failed is not None:
             raise box.failed
         return sorted(events, key=lambda e: (e.start, e.worker))
@@ -204,7 +211,15 @@ class LocalExecutor:
             self._threads[w] = _Thread(f"fxpipe-worker-{w}")
         return self._threads[w]
 
-    def _watch(self, box: _Mailbox, states: list[_State], finished: threading.Semaphore, workers: dict[int, int]) -> None:
+    def _watch(
+        self,
+        box: _Mailbox,
+        states: list[_State],
+        finished: threading.Semaphore,
+        workers: dict[int, int],
+        runners: Sequence[StageRunner],
+        edge_ends: Sequence[tuple[int, int]],
+    ) -> None:
         """Wait for every worker; on a stuck one, fail the step and stop waiting for it."""
         remaining = len(states)
         abandoned: set[int] = set()
@@ -214,7 +229,7 @@ class LocalExecutor:
                 continue
             if box.failed is not None:
                 continue
-            stuck = self._stuck(states, workers)
+            stuck = self._stuck(states, workers, runners, edge_ends)
             if stuck is not None:
                 worker, error = stuck
                 box.fail(error)
@@ -223,7 +238,9 @@ class LocalExecutor:
                     self._threads.pop(worker, None)  # a fresh thread serves the next step
         # leave the abandoned threads to finish (or not) on their own
 
-    def _stuck(self, states: list[_State], workers: dict[int, int]) -> tuple[int, PipelineError] | None:
+    def _stuck(
+        self, states: list[_State], workers: dict[int, int], runners: Sequence[StageRunner], edge_ends: Sequence[tuple[int, int]]
+    ) -> tuple[int, PipelineError] | None:
         """The worker at the end of a chain of waits longer than the timeout, with the error
         naming it; None while every wait and action is within the timeout. ``workers``
         maps each stage to the worker that runs it."""
@@ -236,7 +253,7 @@ class LocalExecutor:
             seen = {w}
             while states[culprit].waiting_for is not None and not states[culprit].done:
                 kind, edge, i = states[culprit].waiting_for
-                src, dst = self.edge_ends[edge]
+                src, dst = edge_ends[edge]
                 producer = src if kind == "act" else dst
                 what = "activation" if kind == "act" else "gradient"
                 chain.append(f"stage {states[culprit].action.stage} waits {now - states[culprit].since:.1f} s for the {what} of micro-batch {i} from stage {producer}")
@@ -246,7 +263,7 @@ class LocalExecutor:
                 seen.add(nxt)
                 culprit = nxt
             action = states[culprit].action
-            runner = self.runners[action.stage]
+            runner = runners[action.stage]
             where = runner.name or str(runner.device)
             head = (
                 f"stage {action.stage} on {where} has been running {action} (micro-batch {action.microbatch}) "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,24 @@ from fxpipe.views import PipelineViews
 
 
 @dataclass
+class Program:
+    """One input signature's compiled stages, as this process runs them.
+
+    part: the Partitioned of that signature's trace (its stages share the parameters of
+    the first); runners: this process's stages by index; edge_ends: (producer, consumer)
+    stage per edge id; specs / messages: what the distributed runtime derives per
+    micro-batch signature; skeletons: meta copies of every stage (distributed fake runs).
+    """
+
+    part: Any
+    runners: dict[int, StageRunner]
+    edge_ends: list[tuple[int, int]]
+    specs: dict = field(default_factory=dict)
+    messages: dict = field(default_factory=dict)
+    skeletons: list = field(default_factory=list)
+
+
+@dataclass
 class Batch:
     """One call's micro-batches on this process: flat model inputs and targets per
     micro-batch, their sizes, the samples of the whole batch (all replicas), and the
@@ -40,6 +58,7 @@ class Batch:
     first: int = 0
     whole: Any = None  # the flat inputs before the cut
     call: tuple[tuple, dict] = ((), {})  # the call's own arguments
+    program: Program | None = None  # the compiled stages of the call's signature
 
     def input_gradient_leaves(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
         """Give every micro-batch piece of an input that requires grad its own autograd leaf.
@@ -126,17 +145,20 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._batched: dict[tuple, dict[str, bool]] = {}
-        self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._schedules: dict[tuple, Schedule] = {}
+        self._programs: dict[Any, Program] = {}
         self._last_events: list = []
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
-    def _actions(self, m: int, train: bool) -> Schedule:
+    def _actions(self, m: int, train: bool, part: Any = None) -> Schedule:
         """Every worker's action list for ``m`` micro-batches (forwards only for inference),
-        proven to run on the stage graph. Raises ScheduleError when the plan's schedule
-        cannot serve ``m`` or would move a stage to another worker than it was placed on."""
-        if (m, train) not in self._schedules:
-            part = self.part
+        proven to run on the stage graph of ``part`` (a signature's; default the first).
+        Raises ScheduleError when the plan's schedule cannot serve ``m`` or would move a
+        stage to another worker than it was placed on."""
+        part = part or self.part
+        key = (m, train, tuple(part.deps))
+        if key not in self._schedules:
             actions = resolve_schedule(self.plan.schedule, part.num_stages, m, self.plan.chunks, part.deps)
             if stage_workers(actions) != part.stage_workers:
                 raise ScheduleError(
@@ -144,18 +166,50 @@ class PipelineBase(PipelineViews):
                     f"but they were placed for workers {part.stage_workers}; a schedule must place stages "
                     "the same way for every micro-batch count"
                 )
-            self._schedules[(m, train)] = actions if train else forward_only(actions)
-        return self._schedules[(m, train)]
+            self._schedules[key] = actions if train else forward_only(actions)
+        return self._schedules[key]
+
+    def _first_program(self, runners: dict[int, StageRunner], **extra: Any) -> None:
+        """Register the compile-time partition as the program of its signature."""
+        key = self.part.key.batch_free() if self.part.key is not None else None
+        edge_ends = [(e.src, e.dst) for e in self.part.partitioned.edges]
+        self._programs[key] = Program(self.part, runners, edge_ends, **extra)
+
+    def _program(self, args: tuple, kwargs: dict) -> Program:
+        """The compiled stages for this call's input signature: cached, or traced and cut
+        now (once per signature; the stage boundaries and parameters are the first's)."""
+        if self.part.key_of is None:
+            return next(iter(self._programs.values()))
+        key = self.part.key_of(args, kwargs).batch_free()
+        if key not in self._programs:
+            self._programs[key] = self._compile_program(args, kwargs)
+        return self._programs[key]
+
+    def _compile_program(self, args: tuple, kwargs: dict) -> Program:
+        raise NotImplementedError
+
+    @property
+    def signatures(self) -> list[str]:
+        """The input signatures compiled so far, the compile-time one first."""
+        return [p.part.key.brief() if p.part.key is not None else "(any)" for p in self._programs.values()]
+
+    def summary(self) -> str:
+        """The partition's table, and the input signatures compiled so far."""
+        lines = [self.part.summary(), f"signatures compiled: {len(self._programs)}"]
+        lines += [f"  {k}: {sig}" for k, sig in enumerate(self.signatures)]
+        return "\n".join(lines)
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
-        """This process's micro-batches of a call (its replica's shard under data parallelism)."""
-        flat = self.part.bind_inputs(args, kwargs)
+        """This process's micro-batches of a call (its replica's shard under data parallelism),
+        with the compiled stages of the call's signature."""
+        program = self._program(args, kwargs)
+        flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
         if self.replicas > 1:
             shards, targets, _ = microbatch.split_step(flat, target, self.replicas)
             flat, target = shards[self.replica], targets[self.replica]
         inputs, targets, sizes = microbatch.split_step(flat, target, self.plan.microbatches)
-        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat, (args, kwargs))
+        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat, (args, kwargs), program)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
@@ -196,7 +250,7 @@ class PipelineBase(PipelineViews):
         """The model's output for the whole batch from the last stage's per micro-batch:
         batched tensors concatenated, the others merged as ``Plan.output_merge`` says
         (which outputs are batched is decided once per input structure, on fake tensors)."""
-        values = [self.part.build_output(out) for out in outputs]
+        values = [batch.program.part.build_output(out) for out in outputs]
         if len(values) == 1 and not self.plan.output_merge:
             return values[0]
         key = microbatch.structure(batch.whole)
@@ -207,7 +261,7 @@ class PipelineBase(PipelineViews):
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge)
 
     def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
-        return microbatch.weighted_loss(loss_fn, self.part.build_output, batch.targets, weights)
+        return microbatch.weighted_loss(loss_fn, batch.program.part.build_output, batch.targets, weights)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError
@@ -257,4 +311,7 @@ class PipelineBase(PipelineViews):
         self._model.train(mode)
         for module in self._modules:
             module.train(mode)
+        for program in self._programs.values():  # later signatures' stage modules share submodules
+            for runner in program.runners.values():
+                runner.module.train(mode)
         return self
