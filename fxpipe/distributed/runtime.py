@@ -156,9 +156,12 @@ class RankExecutor:
                 post(k, previous_sends)
             elif k + 1 < len(actions):
                 post(k + 1, [])  # prefetch: the next action's inputs arrive while this one computes
+            waited = time.perf_counter()
             self.watchdog.wait(pending_recvs.pop(k, []), lambda a=action: f"the inputs of {a}")
             self.watchdog.running(str(action))
             start = time.perf_counter()
+            if start - waited > 1e-4:  # the inputs had not all arrived: the timeline shows the wait
+                events.append(Event(self.worker, action.stage, action.microbatch, "recv", waited - origin, start - origin, str(self.device)))
             try:
                 sends = forward(k, action) if action.op == "F" else backward(k, action)
             except RankFailedError:
