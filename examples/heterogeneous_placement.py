@@ -46,7 +46,7 @@ from common import (
 from torch import nn
 
 import fxpipe
-from fxpipe.costs import default_spec
+from fxpipe.cost_model import default_spec
 
 TAGS = ["cpu", "gpu:0"]  # EmbeddingClassifier's device_guard tags, in stage order
 

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe.costs import auto_split, ensure_costs, lookup
+from fxpipe.auto_split import auto_split
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
@@ -22,13 +22,16 @@ from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from fxpipe.passes.generalise import check_generalises
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH
+from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
+from fxpipe.progress import Progress
 from fxpipe.schedules import (
     Schedule,
     ScheduleError,
@@ -64,15 +67,15 @@ def _stage_devices(plan: Plan, workers: list[int], tag_devices: list[str] | None
     )
 
 
-def _annotate(graph, plan: Plan, model: nn.Module, resolve) -> tuple[annotate_pass.StageAssignment, str]:
+def _annotate(graph, plan: Plan, model: nn.Module) -> tuple[annotate_pass.StageAssignment, str]:
     if isinstance(plan.split, list):
         known = {name for name, _ in model.named_modules()}
         return annotate_pass.annotate_by_split_points(graph, plan.split, known), f"plan.split={plan.split}"
     if plan.split == "auto":
         if plan.devices is None:
             raise PlanError("split='auto' needs plan.devices: the devices to spread the model over")
-        ensure_costs(graph, resolve)
-        return auto_split(graph, plan), "split='auto' (cost model)"
+        cuts = auto_split(graph, plan)
+        return annotate_pass.annotate_by_cuts(graph, cuts.starts, cuts.reasons, cuts.how), "split='auto' (cost model)"
     if annotate_pass.has_tags(graph):
         return annotate_pass.annotate_by_tags(graph), "the device_guard tags"
     if plan.devices is not None and len(plan.devices) * plan.chunks > 1:
@@ -97,8 +100,15 @@ def partition(
     machine without a GPU. ``profile`` (from ``fxpipe.profile``) replaces the cost model's
     estimated node times by measured ones. Returns a :class:`Partitioned`. Raises TraceError when the
     model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
-    honoured (the message names the field, node or module at fault).
+    honoured (the message names the field, node or module at fault). A compile longer
+    than 2 s reports its progress on one line of stderr (``fxpipe.progress``).
     """
+    with Progress(type(model).__name__) as progress:
+        return _partition(model, plan, example_inputs, example_kwargs, profile, progress)
+
+
+def _partition(model, plan, example_inputs, example_kwargs, profile, progress: Progress) -> Partitioned:
+    progress.phase("trace")
     plan = Plan.coerce(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe expects an nn.Module, got {type(model).__name__}")
@@ -108,7 +118,7 @@ def partition(
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module
     # the user's model first: its names and tied tensors; export's constants live on the root
-    resolve = functools.partial(lookup, [model, traced.root])
+    resolve = resolver(model, traced.root)
     try:
         example = traced.bind_inputs(example_inputs, kwargs)
     except TypeError as err:
@@ -117,11 +127,15 @@ def partition(
             "example_inputs=(x, ...) (and example_kwargs=) shaped like a training batch: fxpipe "
             "propagates their shapes on fake tensors to size every stage and edge"
         ) from None
-    propagate_shapes(gm, _on_model_device(model, example), resolve)
+    progress.phase("shapes and costs")
+    fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
+    annotate_costs(gm.graph, resolve, fake_run)
     if profile is not None:
         profile.apply(gm.graph)
-    assignment, how = _annotate(gm.graph, plan, model, resolve)
+    progress.phase("split")
+    assignment, how = _annotate(gm.graph, plan, model)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    progress.phase("partition")
     return _cut(
         traced, plan, assignment, how, type(model).__name__, lambda s: resolve, _unused_state(model, used),
         example_inputs, kwargs,
@@ -154,7 +168,7 @@ def partition_like(
         assignment = annotate_pass.annotate_by_anchors(graph, first.anchors, [s.reason for s in first.stages])
         how = "split='auto' (the first signature's cut)"
     else:
-        assignment, how = _annotate(graph, plan, model, resolve_for(0))
+        assignment, how = _annotate(graph, plan, model)
     if assignment.num_stages != first.num_stages:
         raise PlanError(
             f"the trace for {traced.key} has {assignment.num_stages} stage(s) by {how}, the first signature "

@@ -10,7 +10,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe import format as fmt
-from fxpipe.costs import StageEstimate, ensure_costs, estimate_stages, lookup, predicted_timeline
+from fxpipe.estimates import StageEstimate, estimate_stages, predicted_timeline
 from fxpipe.passes.partition import PartitionedGraph
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
@@ -20,6 +20,9 @@ from fxpipe.timeline import Timeline
 @dataclass
 class Partitioned:
     """A model cut into stages: inspectable (summary, explain, to_dot) without any hardware.
+
+    The views (summary, explain, estimates, simulate, to_dot, draw) read the costs the
+    compiler wrote on the graph; none of them runs a pass or writes ``node.meta``.
 
     stages: the Stage list (modules reference the model's own submodules: nothing copied);
     graph: the whole partitioned program with explicit send/recv nodes;
@@ -114,12 +117,8 @@ class Partitioned:
         return "\n".join(lines)
 
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
-        """The cost model's prediction per stage (time per micro-batch, memory, FLOPs).
-
-        Costs the graph on first use (fake tensors: nothing runs). ``microbatches``
-        defaults to the plan's.
-        """
-        ensure_costs(self.graph, self._resolve)
+        """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from
+        the node costs the compiler wrote. ``microbatches`` defaults to the plan's."""
         return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
 
     def simulate(self, microbatches: int | None = None) -> Timeline:
@@ -129,11 +128,7 @@ class Partitioned:
         ``microbatches`` overrides the plan's count. Returns a Timeline of kind "predicted"
         whose ``activation_bytes`` gives each stage's bytes per micro-batch.
         """
-        ensure_costs(self.graph, self._resolve)
         return predicted_timeline(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
-
-    def _resolve(self, target: str) -> Any:
-        return lookup([s.module for s in self.stages], target)
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from fxpipe.compiler import partition_like
-from fxpipe.costs import lookup
 from fxpipe.devices import torch_device
 from fxpipe.partitioned import Partitioned
+from fxpipe.passes.targets import lookup
 from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.local import LocalExecutor

@@ -44,10 +44,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.costs import MeasuredTime, lookup
+from fxpipe.cost_model import MeasuredTime
 from fxpipe.devices import check_available, normalize_device, torch_device
 from fxpipe.microbatch import split
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED
+from fxpipe.passes.targets import lookup
 from fxpipe.passes.trace import trace
 from fxpipe.plan import Plan
 

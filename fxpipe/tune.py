@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.costs import spec_for
+from fxpipe.cost_model import spec_for
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
 

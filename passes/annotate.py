@@ -12,8 +12,9 @@ tags         Each contiguous run of one tag, in program order, is a stage; a dev
              among them); nodes with no inputs follow their first user.
 split points A list of module paths: a new stage begins at the first node created by
              each listed module (or one of its children), in program order.
-even         ``num_stages`` contiguous runs with the same number of compute nodes (the
-             placeholder for ``split="auto"`` when no cost model is asked for).
+cuts         A list of nodes: a new stage begins at each, in program order (the cuts
+             ``split="auto"`` chose with the cost model).
+even         ``num_stages`` contiguous runs with the same number of compute nodes.
 anchors      Another trace of the model (another input signature) cut where :func:`anchors`
              found the stages of a first one (each stage's first compute node, named by
              module path, op and occurrence), so a ``split="auto"`` cut never moves.
@@ -91,16 +92,28 @@ def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known
                 "in program order; list split points in the order forward() reaches them, one per stage"
             )
         starts.append(first)
-    stage = 0
-    for k, node in enumerate(nodes):
-        while stage < len(starts) and k >= starts[stage]:
-            stage += 1
-        node.meta[STAGE] = stage
-        node.meta[REASON] = f"split point {split_points[stage - 1]!r}" if stage else "before the first split point"
+    node_reasons = ["before the first split point"] + [f"split point {p!r}" for p in split_points]
+    _assign_from_starts(nodes, starts, node_reasons)
     _fix_sources(graph)
     reasons = ["before the first split point"] + [f"from split point {p!r}" for p in split_points]
     _check_nonempty(graph, len(starts) + 1, "plan.split")
     return StageAssignment(len(starts) + 1, None, reasons)
+
+
+def annotate_by_cuts(graph: fx.Graph, starts: Sequence[fx.Node], reasons: Sequence[str], how: str) -> StageAssignment:
+    """Stage ``k + 1`` begins at node ``starts[k]``, in program order: cuts chosen by a
+    cost model (``split="auto"``). ``reasons``: one per stage, for ``explain()``; ``how``:
+    what chose the cuts, for each node's reason. Raises AnnotateError when the starts are
+    not in program order or leave a stage without computation."""
+    nodes = list(graph.nodes)
+    position = {node: k for k, node in enumerate(nodes)}
+    indices = [position[node] for node in starts]
+    if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[0] == 0):
+        raise AnnotateError(f"{how}: stage starts {[n.name for n in starts]} are not in program order after the first node")
+    _assign_from_starts(nodes, indices, [f"{how}, stage {k}" for k in range(len(starts) + 1)])
+    _fix_sources(graph)
+    _check_nonempty(graph, len(starts) + 1, how)
+    return StageAssignment(len(starts) + 1, None, list(reasons))
 
 
 def annotate_evenly(graph: fx.Graph, num_stages: int) -> StageAssignment:
@@ -128,6 +141,16 @@ def single_stage(graph: fx.Graph) -> StageAssignment:
         node.meta[STAGE] = 0
         node.meta[REASON] = "single stage"
     return StageAssignment(1, None, ["single stage"])
+
+
+def _assign_from_starts(nodes: list[fx.Node], starts: list[int], node_reasons: list[str]) -> None:
+    """Stage ``k`` runs the nodes from position ``starts[k - 1]`` up to ``starts[k]``."""
+    stage = 0
+    for k, node in enumerate(nodes):
+        while stage < len(starts) and k >= starts[stage]:
+            stage += 1
+        node.meta[STAGE] = stage
+        node.meta[REASON] = node_reasons[stage]
 
 
 def _within(module_path: str, prefix: str) -> bool:

@@ -12,11 +12,11 @@ CUSTOM = "custom"  # torch.fx.traceback annotations; device_guard tags live unde
 TAG_KEY = "fxpipe_device"  # node.meta[CUSTOM][TAG_KEY]: the device_guard tag
 # written by shape propagation
 VAL = "val"  # the node's value on fake tensors (shape, dtype, requires_grad)
-# written by the annotate pass (or split="auto")
+# written by the annotate pass
 STAGE = "stage"  # int, 0-based, non-decreasing along every edge
 REASON = "stage_reason"  # why the node is in its stage, for explain()
 # written by the cost pass / fxpipe.profile
-COST = "cost"  # passes.cost.NodeCost
+COST = "cost"  # passes.node_costs.NodeCost
 MEASURED = "measured_time"  # a measured (forward, backward) time from fxpipe.profile
 # written by the partition pass on send/recv nodes
 EDGE = "edge"  # passes.partition.Edge

@@ -1,96 +1,46 @@
 """Shape propagation on fake tensors: no real compute, the model's state untouched.
 
-Writes ``node.meta["val"]``: the node's value with every tensor replaced by a
-FakeTensor (shape, dtype, device, requires_grad), or a Python value as it was.
-Runs in train mode semantics of the modules as they are, but on fake copies of
-parameters and buffers, so BatchNorm running statistics are never updated.
+Writes ``node.meta["val"]`` on every node: the node's value with every tensor replaced by
+a FakeTensor (shape, strides, dtype, device, requires_grad), or a Python value as it was.
+Modules run with their training flags as they are, on fake copies of their parameters and
+buffers, so BatchNorm running statistics are never updated. The values come from one
+:mod:`fxpipe.passes.fake_replay` run, which the cost pass then reads too.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe.passes.fake_replay import FakeReplay, replay
 from fxpipe.passes.meta import VAL
 
 
-class _FakeInterpreter(fx.Interpreter):
-    """Runs the graph with fake parameters, recording every node's value."""
-
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, resolve: Any) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.mode = mode
-        self.resolve = resolve
-        self._fake_attrs: dict[int, Any] = {}
-
-    def _fake(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            key = id(value)
-            if key not in self._fake_attrs:
-                fake = self.mode.from_tensor(value, static_shapes=True)
-                if isinstance(value, torch.nn.Parameter):
-                    fake = fake.detach().requires_grad_(value.requires_grad)
-                self._fake_attrs[key] = fake
-            return self._fake_attrs[key]
-        return value
-
-    def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
-        return self._fake(self.resolve(target))
-
-    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
-        module = self.resolve(target)
-        params = dict(module.named_parameters(remove_duplicate=False))
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        fakes = {**{k: self._fake(v) for k, v in params.items()}, **{k: self._fake(v) for k, v in buffers.items()}}
-        try:
-            # parameters/buffers replaced by fakes for this call only
-            return torch.func.functional_call(module, fakes, args, kwargs, tie_weights=True, strict=False)
-        except Exception:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
-            return self._run_for_real(module, args, kwargs)
-
-    def _run_for_real(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Run a copy of one module on zero tensors of the right shapes; fake the result."""
-        with unset_fake_temporarily():
-            real = pytree.tree_map_only(torch.Tensor, _zeros_like_fake, (args, kwargs))
-            with torch.no_grad():
-                out = copy.deepcopy(module)(*real[0], **real[1])
-        return pytree.tree_map_only(torch.Tensor, lambda t: self.mode.from_tensor(t, static_shapes=True), out)
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
-        n.meta[VAL] = result
-        return result
-
-
-def propagate_shapes(gm: fx.GraphModule, inputs: list, resolve: Any = None, mode: FakeTensorMode | None = None) -> None:
+def propagate_shapes(
+    gm: fx.GraphModule,
+    inputs: list,
+    resolve: Callable[[str], Any] | None = None,
+    mode: FakeTensorMode | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> FakeReplay:
     """Record ``node.meta["val"]`` for every node of ``gm`` given one value per placeholder.
 
-    ``resolve(target)`` fetches a module or tensor by qualified name (defaults to
-    ``gm.get_submodule``/``getattr`` chains on ``gm``). Tensors in ``inputs`` are faked,
-    so nothing is computed for real and no parameter or buffer changes. ``mode``: the
-    FakeTensorMode to run in, when ``resolve`` hands out fake tensors of that mode (a
-    model traced on fake tensors).
+    ``resolve(target)`` fetches a module or tensor by qualified name (defaults to ``gm``'s
+    attributes); ``mode``: the FakeTensorMode to run in, when ``resolve`` hands out fake
+    tensors of that mode (a model traced on fake tensors); ``progress(done, total)`` hears
+    how far it got. Tensors in ``inputs`` are faked, so nothing is computed for real and no
+    parameter or buffer changes. Returns the replay (values, keys, templates) for the cost
+    pass. Raises what a node raises on fake tensors (a note names the node).
     """
-    if resolve is None:
-        resolve = functools.partial(_attribute, gm)
-    with mode or FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_inputs = pytree.tree_map_only(torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), inputs)
-        interpreter = _FakeInterpreter(gm, mode, resolve)
-        interpreter.run(*fake_inputs)
-
-
-def _zeros_like_fake(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
-
-
-def _attribute(root: torch.nn.Module, target: str) -> Any:
-    return functools.reduce(getattr, target.split("."), root)
+    fake_run = replay(gm, inputs, resolve, progress=progress, mode=mode)
+    for node, value in fake_run.values.items():
+        node.meta[VAL] = value
+    return fake_run
 
 
 def tensor_bytes(value: Any) -> int:

@@ -21,13 +21,16 @@ from conftest import assert_grads_match
 from torch import nn
 
 import fxpipe
-from fxpipe.costs import auto_split, ensure_costs, lookup
+from fxpipe.auto_split import auto_split
 from fxpipe.passes import annotate
 from fxpipe.passes.codegen import build_stage_module, stage_graph
 from fxpipe.passes.generalise import check_generalises
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
+from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import PartitionedGraph, partition
+from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.signature import TraceKey
+from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace import Traced, trace
 
 
@@ -69,15 +72,16 @@ class SignatureStages:
         traced = trace(self.model, args, kwargs, frontend=self.frontend, dynamic_batch=False)
         self.frontend = traced.frontend  # every signature by the same frontend: the same nodes
         self.traces += 1
-        resolve = lambda target: lookup([self.model, traced.root], target)  # noqa: E731
+        resolve = resolver(self.model, traced.root)
         check_generalises(self.model, traced, args, kwargs, resolve)
         graph = traced.graph_module.graph
         if isinstance(self.split, list):
             known = {name for name, _ in self.model.named_modules()}
             assignment = annotate.annotate_by_split_points(graph, self.split, known)
         elif self.anchors is None:
-            ensure_costs(graph, resolve)
-            assignment = auto_split(graph, self.plan)
+            annotate_costs(graph, resolve, propagate_shapes(traced.graph_module, traced.bind_inputs(args, kwargs), resolve))
+            cuts = auto_split(graph, self.plan)
+            assignment = annotate.annotate_by_cuts(graph, cuts.starts, cuts.reasons, cuts.how)
             self.anchors = annotate.anchors(graph)
         else:
             assignment = annotate.annotate_by_anchors(graph, self.anchors)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.passes.autosplit import SplitInfeasible, SplitProblem, refine, solve
+from fxpipe.passes.split_solver import SplitInfeasible, SplitProblem, refine, solve
 
 
 def brute_force(problem: SplitProblem) -> tuple[float, list[int] | None]:

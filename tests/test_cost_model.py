@@ -10,8 +10,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
-from fxpipe.costs import DeviceModel, default_spec, spec_for
-from fxpipe.passes.cost import COST, NodeCost
+from fxpipe.cost_model import DeviceModel, default_spec, spec_for
+from fxpipe.passes.meta import COST
+from fxpipe.passes.node_costs import NodeCost
 
 X = torch.randn(16, 32)
 

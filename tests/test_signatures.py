@@ -14,11 +14,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from fxpipe.costs import auto_split, ensure_costs, lookup
+from fxpipe.auto_split import auto_split
 from fxpipe.passes import annotate
 from fxpipe.passes.generalise import TraceMismatch, check_generalises
 from fxpipe.passes.meta import STAGE
+from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace import trace
 
 
@@ -60,11 +62,12 @@ class Stack(nn.Module):
 
 def auto_split_of(model: nn.Module, x: torch.Tensor):
     traced = trace(model, (x,), dynamic_batch=False)
-    resolve = lambda target: lookup([model, traced.root], target)  # noqa: E731
-    propagate_shapes(traced.graph_module, traced.bind_inputs((x,), {}), resolve)
+    resolve = resolver(model, traced.root)
+    fake_run = propagate_shapes(traced.graph_module, traced.bind_inputs((x,), {}), resolve)
     graph = traced.graph_module.graph
-    ensure_costs(graph, resolve)
-    auto_split(graph, fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split="auto", microbatches=1))
+    annotate_costs(graph, resolve, fake_run)
+    cuts = auto_split(graph, fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split="auto", microbatches=1))
+    annotate.annotate_by_cuts(graph, cuts.starts, cuts.reasons, cuts.how)
     return graph
 
 

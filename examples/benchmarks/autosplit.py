@@ -38,8 +38,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.compiler import build_pipeline
-from fxpipe.passes.autosplit import SplitProblem, ordered_problem_inputs, refine, solve
 from fxpipe.passes.partition import EDGE
+from fxpipe.passes.split_solver import SplitProblem, ordered_problem_inputs, refine, solve
+from fxpipe.passes.targets import resolver
 from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
 from fxpipe.tune import plot_sweep, sweep
@@ -98,19 +99,20 @@ def _split_points(part: fxpipe.Partitioned, weights: list[float], stages: int) -
 
 
 def _param_weights(part: fxpipe.Partitioned) -> list[float]:
+    resolve = resolver(*(s.module for s in part.stages))
     seen: set[int] = set()
     weights = []
     for node in _compute_nodes(part):
         count = 0
         if node.op == "call_module":
-            module = part._resolve(node.target)
+            module = resolve(node.target)
             for p in module.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     count += p.numel()
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
-                t = part._resolve(arg.target)
+                t = resolve(arg.target)
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     count += t.numel()
@@ -266,7 +268,7 @@ def main() -> None:
     torch.set_num_threads(1)
     repeats = 1 if args.quick else args.repeats
     sizes = [32] if args.quick else args.sizes
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu spec {fxpipe.costs.default_spec('cpu')}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu spec {fxpipe.cost_model.default_spec('cpu')}")
     if "partitioner" in args.parts:
         partitioner_speed()
     loss = nn.CrossEntropyLoss()

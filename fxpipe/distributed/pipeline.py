@@ -22,7 +22,6 @@ from torch import nn
 
 from fxpipe import microbatch
 from fxpipe.compiler import partition_like
-from fxpipe.costs import lookup
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog, check_same_plan
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
@@ -31,6 +30,7 @@ from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
 from fxpipe.partitioned import Partitioned
+from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext

@@ -1,4 +1,4 @@
-"""Autosplit: the exact min-max cut of an ordered graph into contiguous stages.
+"""Split solver: the exact min-max cut of an ordered graph into contiguous stages.
 
 The problem (:class:`SplitProblem`): items ``0..N-1`` in a topological order, ``K``
 stages in a fixed order (stage ``k`` runs on device ``k``, devices may differ in speed
@@ -100,6 +100,10 @@ class SplitProblem:
             self._T[k, j] - self._T[k, i] + self.recv_per_byte[k] * self.cut_bytes[i]
             + self.send_per_byte[k] * self.cut_bytes[j] + self.fixed_time[k]
         )
+
+    def stage_state(self, i: int, j: int) -> float:
+        """Persistent bytes of items ``[i, j)``."""
+        return float(self._S[j] - self._S[i])
 
     def stage_memory(self, k: int, i: int, j: int) -> float:
         """Bytes stage ``k`` holds for items ``[i, j)``: state plus in-flight activations."""

@@ -1,0 +1,182 @@
+"""``split="auto"``: where to cut, chosen with the cost model; the annotate pass assigns stages.
+
+The compute nodes, in program order (a topological order of the data flow), are split
+into ``len(plan.devices) x plan.chunks`` contiguous stages by the exact min-max partitioner
+of ``passes/split_solver.py`` over the device model's node times, send/recv times of the
+bytes live across each cut, and every device's memory; the cuts are then moved while the
+plan's simulated schedule gets faster (``refine``). The result is cut *positions*: the
+nodes where stages begin, with a reason per stage; ``passes/annotate.annotate_by_cuts``
+turns them into ``node.meta["stage"]`` with the placement rule every split shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from fxpipe import format as fmt
+from fxpipe.cost_model import OPTIMIZER_STATES, DeviceModel, stage_models, state_bytes
+from fxpipe.estimates import in_flight, measured_device, play
+from fxpipe.passes.annotate import AnnotateError
+from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
+from fxpipe.passes.node_costs import cost_of
+from fxpipe.passes.shape_prop import tensor_bytes
+from fxpipe.passes.split_solver import (
+    SplitInfeasible,
+    SplitProblem,
+    ordered_problem_inputs,
+    refine,
+    solve,
+)
+from fxpipe.plan import Plan, PlanError
+from fxpipe.schedules import make_schedule
+
+# the exact min-max split gives way to the schedule-refined one only when the simulated
+# step is at least this much shorter: smaller gains are far below the model's error
+REFINE_MIN_GAIN = 0.01
+
+
+@dataclass
+class AutoSplit:
+    """Cut positions: stage ``k + 1`` begins at node ``starts[k]`` (program order);
+    ``reasons``: per stage, its predicted time and memory; ``how``: what chose the cuts."""
+
+    starts: list[fx.Node]
+    reasons: list[str]
+    how: str
+
+
+def auto_split(graph: fx.Graph, plan: Plan) -> AutoSplit:
+    """The cuts of ``graph`` (nodes carry ``cost``, and ``measured_time`` where profiled)
+    for ``plan``: the exact min-max split, refined for the plan's schedule.
+
+    One stage per entry of ``plan.devices`` (times ``plan.chunks``). Writes nothing on the
+    graph. Raises AnnotateError when there are fewer compute nodes than stages, PlanError
+    when no split fits the devices' memory (naming how much each stage would need on which
+    device).
+    """
+    num_stages = len(plan.devices or []) * plan.chunks
+    devices = [plan.devices[s % len(plan.devices)] for s in range(num_stages)]
+    models = stage_models(plan, devices)
+    m = plan.microbatches
+    compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
+    if len(compute) < num_stages:
+        raise AnnotateError(
+            f"split='auto': {num_stages} stages asked for but the graph has only {len(compute)} compute "
+            "nodes; use fewer devices (plan.devices) or chunks"
+        )
+    order, cuts = ordered_problem_inputs(_dataflow(compute), compute)
+    measured_on = measured_device(graph, plan)
+    fwd_bwd = torch.tensor(
+        [[mdl.node_times(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
+        dtype=torch.float64,
+    )  # stages x nodes x (forward, backward)
+    flight = in_flight(plan, num_stages)
+    problem = SplitProblem(
+        item_time=fwd_bwd.sum(2),
+        cut_bytes=cuts,
+        recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
+        send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
+        fixed_time=[2 * mdl.spec.latency * (1 + (k > 0) + (k < num_stages - 1)) for k, mdl in enumerate(models)],
+        state_bytes=_state_per_item(graph, order),
+        activation_bytes=[cost_of(n).activation_bytes / m for n in order],
+        in_flight=flight,
+        memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
+    )
+    try:
+        split = solve(problem)
+    except SplitInfeasible as err:
+        raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
+    step_time = _simulated_step(plan, models, fwd_bwd, cuts, num_stages)
+    minmax_step = step_time(split.boundaries)
+    bounds = refine(problem, split.boundaries, step_time)
+    refined_step = step_time(bounds)
+    if refined_step > minmax_step * (1 - REFINE_MIN_GAIN):
+        bounds, refined_step = split.boundaries, minmax_step
+    stage_times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(num_stages)]
+    reasons = [
+        f"cost model: {fmt.seconds(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
+        f"memory {fmt.nbytes(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {fmt.nbytes(problem.memory[k])}"
+        + ("; the slowest stage" if t == max(stage_times) else "")
+        for k, t in enumerate(stage_times)
+    ]
+    refined = bounds != split.boundaries
+    if refined:
+        reasons[0] += (
+            f"; cuts moved from the min-max split (slowest stage {fmt.seconds(split.bottleneck)}, step "
+            f"{fmt.seconds(minmax_step)}) to the predicted best {plan.schedule} step with {m} micro-batches ({fmt.seconds(refined_step)})"
+        )
+    how = "cost model: min-max split" + (f", refined for the {plan.schedule} schedule" if refined else "")
+    return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
+
+
+def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:
+    """Persistent bytes per ordered node: its own, plus those of the attributes it is the
+    first to use (where the annotate pass places them)."""
+    state = [0.0] * len(order)
+    position = {n: k for k, n in enumerate(order)}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.users:
+            first = min((position[u] for u in node.users if u in position), default=0)
+            state[first] += state_bytes(cost_of(node))
+        elif node in position:
+            state[position[node]] += state_bytes(cost_of(node))
+    return state
+
+
+def _simulated_step(plan: Plan, models: list[DeviceModel], fwd_bwd: torch.Tensor, cuts: list[float], num_stages: int) -> Callable[[list[int]], float]:
+    """``step_time(boundaries)``: the schedule's simulated step for a split of the ordered
+    nodes (per-node (forward, backward) seconds ``fwd_bwd``, bytes ``cuts`` across each cut)."""
+    m = plan.microbatches
+    actions = make_schedule(plan.schedule, num_stages, m, plan.chunks)
+    zero = torch.zeros(num_stages, 1, 2, dtype=torch.float64)
+    prefix = torch.cat([zero, fwd_bwd.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 2
+
+    def step_time(bounds: list[int]) -> float:
+        spans = [(prefix[k][bounds[k]], prefix[k][bounds[k + 1]]) for k in range(num_stages)]
+        edge_bytes = {(k, k + 1): cuts[bounds[k + 1]] / m for k in range(num_stages - 1)}
+        fwd = [end[0] - start[0] for start, end in spans]
+        bwd = [end[1] - start[1] for start, end in spans]
+        return play(actions, models, fwd, bwd, edge_bytes).step_time
+
+    return step_time
+
+
+def _dataflow(compute: list[fx.Node]) -> nx.DiGraph:
+    flow = nx.DiGraph()
+    flow.add_nodes_from(compute)
+    members = set(compute)
+    for node in compute:
+        size = tensor_bytes(node.meta.get(VAL))
+        for user in node.users:
+            if user in members:
+                flow.add_edge(node, user, bytes=size)
+    return flow
+
+
+def _infeasible_message(err: SplitInfeasible, devices: list[str], problem: SplitProblem, order: list[fx.Node], flight: list[int], m: int) -> str:
+    lines = [
+        "split='auto': no split of the model fits the devices' memory (parameters + gradients + "
+        f"{OPTIMIZER_STATES} optimizer states + activations of the micro-batches in flight). "
+        "The split needing the least memory would need:"
+    ]
+    b = err.boundaries
+    for k, dev in enumerate(devices):
+        i, j = b[k], b[k + 1]
+        state = problem.stage_state(i, j)
+        acts = err.needed[k] - state
+        over = "  <-- too small" if err.needed[k] > err.limits[k] else ""
+        lines.append(
+            f"  stage {k} on {dev} ({order[i].name} … {order[j - 1].name}): {fmt.nbytes(err.needed[k])} "
+            f"(state {fmt.nbytes(state)}, activations {fmt.nbytes(acts)} for {flight[k]} micro-batch(es) in flight), "
+            f"has {fmt.nbytes(err.limits[k])}{over}"
+        )
+    lines.append(
+        "give the devices more memory in plan.device_specs, add devices, use checkpoint=True, "
+        f"or more micro-batches (now {m}) to shrink activations"
+    )
+    return "\n".join(lines)

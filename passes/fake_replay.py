@@ -1,0 +1,438 @@
+"""Fake-tensor replay: a graph run on fake tensors, each distinct computation run once.
+
+One replay serves shape propagation (``shape_prop``), the cost pass (``node_costs``) and the
+distributed runtime's per-signature edge specs: it returns every node's value with each
+tensor a ``FakeTensor`` (shape, strides, dtype, device, requires_grad; no data, nothing
+computed), and leaves the model's parameters and buffers untouched.
+
+Why it is fast at LLM scale
+---------------------------
+A 48-layer transformer repeats one layer's computations 48 times on equal shapes, and
+running an op on fake tensors costs about as much Python as a small real op. So every
+compute node gets a *key*: what it computes (function, method name, or the called module's
+class, configuration and parameter shapes) and the shapes, strides, dtypes, devices and
+``requires_grad`` of its inputs, with constants by value. The first node with a key runs on
+fake tensors and leaves an :class:`OutputTemplate`; every later node with that key gets new
+fake tensors built from the template, without running anything. Templates also record where
+each output's memory comes from (new, a view of an input, the input itself written in
+place), which the cost pass needs and storage identity alone would no longer tell.
+
+torch's ``FakeTensorProp`` and ``ShapeProp`` do not fit: they run every node (no template
+reuse), expect parameters already faked on the module, and write ``node.meta`` themselves.
+
+Reads the graph only (``node.meta`` is not written here).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxpipe.passes.meta import MODULE_PATH
+from fxpipe.passes.targets import resolver
+
+_CONSTANTS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+# attributes longer than this are keyed by identity: a vocabulary list is not a configuration
+_MAX_PLAIN_LENGTH = 64
+# the nn.Module internals a module signature reads separately
+_MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+@dataclass(frozen=True)
+class TensorTemplate:
+    """A tensor a node returns: its metadata and where its memory comes from.
+
+    alias: None when the op allocated new memory; ``("in", j)`` when it shares the storage
+    of the node's ``j``-th input tensor (see :func:`input_tensors`); ``("out", k)`` when it
+    shares that of the node's ``k``-th output leaf. same: it *is* that tensor (an in-place op
+    or a pass-through such as ``getitem``); written: the op wrote into it (in place).
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    alias: tuple[str, int] | None = None
+    same: bool = False
+    written: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OutputTemplate:
+    """What a node returns, tensors as :class:`TensorTemplate`: its pytree structure (None
+    when the output is one leaf) and leaves. memoisable: False when a leaf is an object that
+    cannot be rebuilt from the template (the node then runs every time)."""
+
+    spec: Any
+    leaves: tuple[Any, ...]
+    memoisable: bool = True
+
+    @property
+    def tensors(self) -> list[TensorTemplate]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, TensorTemplate)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor returned."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def new_bytes(self) -> int:
+        """Bytes of the tensors in new memory (views and in-place results count 0)."""
+        return sum(t.nbytes for t in self.tensors if t.alias is None)
+
+    @property
+    def only_aliases(self) -> bool:
+        """True when the node allocates nothing and writes nothing: a view, a shape read, a
+        pass-through (``getitem`` of a tuple). Such a node moves no activation bytes."""
+        return all(t.alias is not None and not t.written for t in self.tensors)
+
+
+def input_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The distinct tensors among a call's arguments, in the order templates number them."""
+    tensors: list[torch.Tensor] = []
+    _describe((args, kwargs), tensors)
+    return tensors
+
+
+class FakeReplay:
+    """Runs graphs on fake tensors, each distinct computation once (see the module doc).
+
+    device: when given, every tensor (inputs, parameters, buffers) is faked on this device,
+    e.g. "cpu" to run a skeleton whose parameters live on the meta device; mode: the
+    FakeTensorMode to run in (one whose fakes the graph's modules already hold), else a new one.
+    After :meth:`run`: ``values`` maps every node run to its value, ``keys`` every compute
+    node to its key (nodes with equal keys compute alike), ``templates`` every compute node
+    to its OutputTemplate, and ``runs`` counts the compute nodes that really ran.
+    """
+
+    def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None) -> None:
+        self.mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+        self.device = torch.device(device) if device is not None else None
+        self.values: dict[fx.Node, Any] = {}
+        self.keys: dict[fx.Node, Hashable] = {}
+        self.templates: dict[fx.Node, OutputTemplate] = {}
+        self.runs = 0
+        self._memo: dict[Hashable, OutputTemplate] = {}
+        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, fake)
+        self._signatures: dict[int, tuple[Any, Hashable]] = {}  # id(module) -> (module, signature)
+        self._made: set[int] = set()  # ids of template-built leaves that require grad
+
+    def run(
+        self,
+        gm: fx.GraphModule,
+        inputs: Sequence[Any],
+        resolve: Callable[[str], Any] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """Run ``gm``'s graph on fakes of ``inputs`` (one value per placeholder; real or fake
+        tensors); returns the output's value. ``resolve(target)`` fetches a module or tensor
+        by qualified name (default: ``gm``'s attributes); ``progress(done, total)`` is called
+        every 64 nodes. Raises what a node raises on fake tensors, with a note naming it.
+        """
+        resolve = resolve or resolver(gm)
+        nodes = list(gm.graph.nodes)
+        pending = iter(inputs)
+        output = None
+        with self.mode:
+            for k, node in enumerate(nodes):
+                if progress is not None and k % 64 == 0:
+                    progress(k, len(nodes))
+                if node.op == "placeholder":
+                    value = self._placeholder(node, pending)
+                elif node.op == "get_attr":
+                    value = self.fake(resolve(node.target))
+                elif node.op == "output":
+                    value = output = fx.map_arg(node.args[0], self.values.__getitem__)
+                else:
+                    value = self._compute(node, resolve)
+                self.values[node] = value
+        if progress is not None:
+            progress(len(nodes), len(nodes))
+        return output
+
+    def fake(self, value: Any) -> Any:
+        """``value`` with every tensor replaced by its fake (one fake per real tensor, so
+        tied weights stay tied); other values as they are."""
+        if isinstance(value, torch.Tensor):
+            entry = self._fakes.get(id(value))
+            if entry is None:
+                entry = (value, self.fake_like(value))
+                self._fakes[id(value)] = entry
+            return entry[1]
+        if isinstance(value, list | tuple | dict):
+            return pytree.tree_map_only(torch.Tensor, self.fake, value)
+        return value
+
+    def fake_like(self, t: torch.Tensor, requires_grad: bool | None = None) -> torch.Tensor:
+        """A new fake tensor with ``t``'s shape, strides, dtype and device (the replay's
+        device when it has one) that requires grad as ``t`` does unless told otherwise."""
+        return self._new(
+            tuple(t.shape), t.stride(), t.dtype, self.device or t.device,
+            t.requires_grad if requires_grad is None else requires_grad, track=False,
+        )
+
+    def execute(self, node: fx.Node, args: tuple, kwargs: dict, resolve: Callable[[str], Any], state: dict[str, Any] | None = None) -> Any:
+        """Run one compute node on fake ``args``/``kwargs`` (inside this replay's fake mode).
+
+        ``state`` replaces a called module's parameters and buffers (default: their fakes).
+        """
+        if node.op == "call_module":
+            module = resolve(node.target)
+            if state is None:
+                state = {name: self.fake(t) for name, t in _module_tensors(module)}
+            try:
+                # the module's own tensors replaced by fakes for this call only
+                return torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+            except Exception:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
+                return self._run_for_real(module, args, kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+    # ------------------------------------------------------------------ internals
+    def _placeholder(self, node: fx.Node, pending: Any) -> Any:
+        if str(node.target).startswith("*"):
+            return self.fake(list(pending))
+        try:
+            return self.fake(next(pending))
+        except StopIteration:
+            if node.args:
+                return node.args[0]
+            raise TypeError(f"fake replay: no input given for placeholder {node.name!r}") from None
+
+    def _compute(self, node: fx.Node, resolve: Callable[[str], Any]) -> Any:
+        args = fx.map_arg(node.args, self.values.__getitem__)
+        kwargs = fx.map_arg(node.kwargs, self.values.__getitem__)
+        tensors: list[torch.Tensor] = []
+        key = (self._target(node, resolve), _describe(args, tensors), _describe(kwargs, tensors))
+        self.keys[node] = key
+        template = self._memo.get(key)
+        if template is not None:
+            self.templates[node] = template
+            return self._build(template, tensors)
+        args, kwargs = self._writable((args, kwargs))
+        tensors = input_tensors(args, kwargs)
+        versions = [t._version for t in tensors]
+        self.runs += 1
+        try:
+            out = self.execute(node, args, kwargs, resolve)
+        except Exception as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                where = node.meta.get(MODULE_PATH)
+                err.add_note(f"fxpipe: while running node {node.name!r}{f' (module {where!r})' if where else ''} on fake tensors")
+            raise
+        template = _template(out, tensors, versions)
+        self.templates[node] = template
+        if template.memoisable:
+            self._memo[key] = template
+        return out
+
+    def _target(self, node: fx.Node, resolve: Callable[[str], Any]) -> Hashable:
+        if node.op == "call_module":
+            module = resolve(node.target)
+            entry = self._signatures.get(id(module))
+            if entry is None:
+                entry = (module, module_signature(module))
+                self._signatures[id(module)] = entry
+            return ("call_module", entry[1])
+        return (node.op, _hashable(node.target))
+
+    def _new(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device, requires_grad: bool, track: bool) -> torch.Tensor:
+        """A fake tensor built directly rather than through the fake mode's dispatch (~10x
+        cheaper: it needs nothing but metadata). ``track``: it stands for an op's result."""
+        with unset_fake_temporarily():  # inside the mode, the meta tensor would be dispatched to it
+            fake = FakeTensor(self.mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device)
+            if requires_grad:
+                fake.requires_grad_(True)
+            if track:
+                self._made.add(id(fake))
+        return fake
+
+    def _build(self, template: OutputTemplate, tensors: list[torch.Tensor]) -> Any:
+        leaves: list[Any] = []
+        for leaf in template.leaves:
+            if not isinstance(leaf, TensorTemplate):
+                leaves.append(leaf)
+            elif leaf.same:
+                kind, j = leaf.alias
+                leaves.append(tensors[j] if kind == "in" else leaves[j])
+            else:
+                device = self.device or leaf.device
+                leaves.append(self._new(leaf.shape, leaf.stride, leaf.dtype, device, leaf.requires_grad, track=True))
+        return leaves[0] if template.spec is None else pytree.tree_unflatten(leaves, template.spec)
+
+    def _writable(self, value: Any) -> Any:
+        """Template-built tensors that require grad are leaves, which an in-place op may not
+        write: a node that really runs gets clones (non-leaves, as in the traced program)."""
+        clones: dict[int, torch.Tensor] = {}
+
+        def clone(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in self._made:
+                return t
+            if id(t) not in clones:
+                clones[id(t)] = t.clone()
+            return clones[id(t)]
+
+        return pytree.tree_map_only(torch.Tensor, clone, value)
+
+    def _run_for_real(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run a copy of one module on zero tensors of the right shapes; fake the result."""
+        with unset_fake_temporarily():
+            real = pytree.tree_map_only(torch.Tensor, _zeros_like, (args, kwargs))
+            with torch.no_grad():
+                out = copy.deepcopy(module)(*real[0], **real[1])
+        return pytree.tree_map_only(torch.Tensor, self.fake_like, out)
+
+
+def replay(
+    gm: fx.GraphModule,
+    inputs: Sequence[Any],
+    resolve: Callable[[str], Any] | None = None,
+    device: str | torch.device | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    mode: FakeTensorMode | None = None,
+) -> FakeReplay:
+    """Run ``gm`` once on fake tensors; returns the :class:`FakeReplay` holding every node's
+    value (``.values``), key and template. See :class:`FakeReplay` and :meth:`FakeReplay.run`
+    for the arguments and what it raises. Runs in the caller's grad mode and autocast."""
+    fake_run = FakeReplay(device, mode)
+    fake_run.run(gm, inputs, resolve, progress)
+    return fake_run
+
+
+def module_signature(module: torch.nn.Module) -> Hashable:
+    """What decides a module call's result shapes and cost: its class, configuration
+    (attributes by value; objects by identity), parameter and buffer metadata, children."""
+    state = tuple((name, _plain(value)) for name, value in vars(module).items() if name not in _MODULE_STATE)
+    params = tuple((name, _plain(p)) for name, p in module._parameters.items())
+    buffers = tuple((name, _plain(b)) for name, b in module._buffers.items())
+    children = tuple((name, None if c is None else module_signature(c)) for name, c in module._modules.items())
+    return (type(module), state, params, buffers, children)
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)))
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _describe(value: Any, tensors: list[torch.Tensor]) -> Hashable:
+    """A hashable description of a call argument; collects its distinct tensors in order."""
+    if isinstance(value, torch.Tensor):
+        for j, seen in enumerate(tensors):
+            if seen is value:
+                return ("same", j)
+        tensors.append(value)
+        return _tensor_meta(value)
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_describe(v, tensors) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _describe(v, tensors)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return (slice, _describe((value.start, value.stop, value.step), tensors))
+    return (type(value), _hashable(value))
+
+
+def _plain(value: Any) -> Hashable:
+    """A module attribute by value where that is cheap and meaningful, else by identity."""
+    if isinstance(value, _CONSTANTS):
+        return (type(value), value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_meta(value)
+    if isinstance(value, list | tuple | set | frozenset) and len(value) <= _MAX_PLAIN_LENGTH:
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return (type(value), tuple(_plain(v) for v in items))
+    if isinstance(value, dict) and len(value) <= _MAX_PLAIN_LENGTH:
+        return (type(value), tuple((k, _plain(v)) for k, v in value.items()))
+    if isinstance(value, torch.nn.Module):
+        return ("module", id(value))
+    return (type(value), _hashable(value))
+
+
+def _hashable(value: Any) -> Hashable:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+        return None
+
+
+def _template(out: Any, tensors: list[torch.Tensor], versions: list[int]) -> OutputTemplate:
+    """The template of ``out``, the result of a call on ``tensors`` (their versions before it)."""
+    if isinstance(out, torch.Tensor):
+        leaves, spec = [out], None
+    else:
+        leaves, spec = pytree.tree_flatten(out)
+    storages = [_storage(t) for t in tensors]
+    made: list[tuple[torch.Tensor, Any]] = []
+    result: list[Any] = []
+    memoisable = True
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            result.append(_tensor_template(leaf, tensors, storages, versions, made))
+            made.append((leaf, _storage(leaf)))
+            continue
+        made.append((None, None))
+        if not _is_constant(leaf):
+            memoisable = False
+        result.append(leaf)
+    return OutputTemplate(spec, tuple(result), memoisable)
+
+
+def _tensor_template(leaf: torch.Tensor, tensors: list[torch.Tensor], storages: list[Any], versions: list[int], made: list[tuple[Any, Any]]) -> TensorTemplate:
+    meta = (tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+    for j, t in enumerate(tensors):
+        if t is leaf:
+            return TensorTemplate(*meta, ("in", j), same=True, written=t._version != versions[j])
+    for k, (t, _) in enumerate(made):
+        if t is leaf:
+            return TensorTemplate(*meta, ("out", k), same=True)
+    storage = _storage(leaf)
+    if storage is not None:
+        for j, s in enumerate(storages):
+            if s == storage:
+                return TensorTemplate(*meta, ("in", j), written=tensors[j]._version != versions[j])
+        for k, (_, s) in enumerate(made):
+            if s == storage:
+                return TensorTemplate(*meta, ("out", k))
+    return TensorTemplate(*meta)
+
+
+def _is_constant(value: Any) -> bool:
+    if isinstance(value, _CONSTANTS):
+        return True
+    return isinstance(value, tuple) and all(isinstance(v, _CONSTANTS) for v in value)
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
+
+
+__all__ = ["FakeReplay", "OutputTemplate", "TensorTemplate", "input_tensors", "module_signature", "replay"]
