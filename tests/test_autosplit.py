@@ -157,3 +157,42 @@ def test_auto_split_runs_and_matches_eager() -> None:
     torch.testing.assert_close(loss, expected)
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad)
+
+
+class ScaledStack(nn.Module):
+    """A constant made from nothing (``torch.ones``) and used only by the last layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(32)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x * scale)
+
+
+def test_auto_split_places_stages_with_the_annotate_rule(monkeypatch) -> None:
+    """split="auto" returns cuts; the annotate pass assigns stages, so sources follow the one
+    rule: inputs in stage 0, attributes and input-free nodes with their first user."""
+    from fxpipe.passes import annotate
+
+    calls = []
+    fix_sources = annotate._fix_sources
+    monkeypatch.setattr(annotate, "_fix_sources", lambda graph: (calls.append(graph), fix_sources(graph)))
+    # torch.export keeps torch.ones as a node without inputs (fx would fold it into a constant)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split="auto", frontend="export")
+    part = fxpipe.partition(ScaledStack(), plan, example_inputs=(torch.randn(16, 32),))
+    assert len(calls) == 1
+    nodes = {n.name: n for n in part.graph.nodes}
+    ones = nodes["ones"]
+    assert ones.meta["stage"] == max(u.meta["stage"] for u in ones.users) == 2
+    assert not any(e.name == "ones" for e in part.partitioned.edges)  # made where it is used
+    for node in part.graph.nodes:
+        if node.op == "get_attr":
+            assert node.meta["stage"] == min(u.meta["stage"] for u in node.users)
+        if node.op == "placeholder":
+            assert node.meta["stage"] == 0
+    assert [s.reason.startswith("cost model") for s in part.stages] == [True] * 3

@@ -23,7 +23,6 @@ def mlp() -> nn.Module:
 
 
 def costs_of(part: fxpipe.Partitioned) -> dict[str, NodeCost]:
-    part.estimates()
     return {n.name: n.meta[COST] for n in part.graph.nodes if COST in n.meta and n.op == "call_module"}
 
 
@@ -200,3 +199,82 @@ def test_profile_sums_match_an_eager_training_step(one_thread) -> None:
         if 1 / 3 < ratios[-1] < 3:
             break
     assert 1 / 3 < ratios[-1] < 3, ratios
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.linear(x)))
+
+
+def test_a_stack_of_equal_layers_is_counted_once_per_distinct_node(monkeypatch) -> None:
+    """48 equal blocks cost one block's worth of counting: the first Linear (its input
+    needs no gradient), then one Linear, GELU and LayerNorm; every other node reuses a count."""
+    from fxpipe.passes import node_costs
+
+    counted: list[str] = []
+    count = node_costs._count
+
+    def spy(node, *args):
+        counted.append(node.name)
+        return count(node, *args)
+
+    monkeypatch.setattr(node_costs, "_count", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(32) for _ in range(48)])
+    x = torch.randn(8, 32)
+    part = fxpipe.partition(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["24"]), example_inputs=(x,))
+    assert counted == ["_0_linear", "_0_act", "_0_norm", "_1_linear"]
+    costs = {n.name: n.meta[COST] for n in part.graph.nodes if COST in n.meta and n.op == "call_module"}
+    assert len(costs) == 3 * 48
+    assert costs["_47_linear"] == costs["_1_linear"] and costs["_47_norm"] == costs["_0_norm"]
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    linear_flops = sum(c.fwd_flops + c.bwd_flops for name, c in costs.items() if name.endswith("linear"))
+    assert linear_flops == counter.get_total_flops()  # only matmuls are counted by flop_counter
+
+
+def test_backward_splits_into_input_and_weight_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.LayerNorm(16), nn.Linear(16, 4),
+    )
+    x = torch.randn(4, 3, 8, 8)
+    part = fxpipe.partition(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["5"]), example_inputs=(x,))
+    costs = costs_of(part)
+    for name, cost in costs.items():
+        assert cost.bwd_input_flops + cost.bwd_weight_flops == pytest.approx(cost.bwd_flops), name
+    # the first layer's input needs no gradient: all of its backward is weight gradient
+    assert costs["_0"].bwd_input_flops == 0 and costs["_0"].bwd_weight_flops == costs["_0"].bwd_flops > 0
+    # a Linear's two matmuls: d/dinput and d/dweight, each 2 x batch x in x out
+    assert costs["_7"].bwd_input_flops == costs["_7"].bwd_weight_flops == 2 * 4 * 16 * 4
+    assert costs["_3"].bwd_input_flops > 0 and costs["_3"].bwd_weight_flops > 0
+    assert costs["_2"].bwd_weight_flops == 0  # ReLU has no weights
+    for est in part.estimates():
+        assert est.input_grad > 0 and est.weight_grad > 0
+        assert est.backward == pytest.approx(est.input_grad + est.weight_grad)
+
+
+def _meta_snapshot(part: fxpipe.Partitioned) -> list[tuple[str, dict]]:
+    graphs = [part.graph] + [s.module.graph for s in part.stages]
+    return [(n.name, dict(n.meta)) for g in graphs for n in g.nodes]
+
+
+def test_views_read_and_never_write_node_meta() -> None:
+    """summary, explain, estimates, simulate and to_dot read the costs the compiler wrote."""
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto", microbatches=4)
+    part = fxpipe.partition(mlp(), plan, example_inputs=(X,))
+    assert all(COST in n.meta for n in part.graph.nodes if n.op in ("call_module", "get_attr"))
+    before = _meta_snapshot(part)
+    part.summary(), part.explain(), part.estimates(8), part.simulate(), part.simulate(2), part.to_dot()
+    after = _meta_snapshot(part)
+    assert [name for name, _ in after] == [name for name, _ in before]
+    for (name, old), (_, new) in zip(before, after):
+        assert new.keys() == old.keys(), name
+        assert all(new[k] is old[k] for k in old), name

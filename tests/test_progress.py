@@ -1,0 +1,53 @@
+"""Compile progress: one line on stderr for a long compile, nothing for a short one."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.progress import Progress
+
+
+def test_a_short_compile_prints_nothing(capsys) -> None:
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    fxpipe.partition(model, fxpipe.Plan(), example_inputs=(x,))  # the process's first imports torch._dynamo
+    capsys.readouterr()
+    fxpipe.partition(model, fxpipe.Plan(), example_inputs=(x,))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_long_compile_ends_with_one_summary_line_off_a_terminal() -> None:
+    stream = io.StringIO()
+    with Progress("Net", stream=stream, after=0.05, tty=False) as progress:
+        progress.phase("trace")
+        time.sleep(0.03)
+        progress.phase("shapes and costs")
+        progress.nodes(10, 20)
+        time.sleep(0.03)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("fxpipe: compiled Net in ") and "trace 0.0 s, shapes and costs 0.0 s" in lines[0]
+
+
+def test_on_a_terminal_one_line_is_redrawn_with_the_phase_and_nodes() -> None:
+    stream = io.StringIO()
+    with Progress("Net", stream=stream, after=0.0, every=0.01, tty=True) as progress:
+        progress.phase("shapes and costs")
+        progress.nodes(64, 128)
+        time.sleep(0.1)
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert "\rfxpipe: compiling Net: shapes and costs 64/128 nodes" in text
+    assert "\rfxpipe: compiled Net in " in text
+
+
+def test_progress_can_be_silenced(monkeypatch) -> None:
+    monkeypatch.setenv("FXPIPE_PROGRESS", "0")
+    stream = io.StringIO()
+    with Progress("Net", stream=stream, after=0.0, tty=False) as progress:
+        progress.phase("trace")
+    assert stream.getvalue() == ""
