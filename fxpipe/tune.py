@@ -1,11 +1,13 @@
-"""``fxpipe.tune``: the micro-batch count, chosen by prediction and confirmed by measuring.
+"""``fxpipe.tune``: the schedule and micro-batch count, chosen by prediction and confirmed
+by measuring.
 
 The tutorial's "split size" sweep, done without running most of it: the model is
 partitioned once, the cost model predicts one step (``Partitioned.simulate``) for every
-candidate micro-batch count, counts whose predicted peak memory does not fit a device are
-dropped, and the few best predicted counts are compiled and timed for real. Fewer
+candidate schedule and micro-batch count, pairs whose predicted peak memory does not fit a
+device are dropped, and the few best predicted pairs are run and timed for real. Fewer
 micro-batches leave a bigger pipeline bubble; more pay the fixed per-op and per-action
-costs more often on smaller kernels, so the curve is U-shaped and its bottom is the answer.
+costs more often on smaller kernels, so the curve is U-shaped and its bottom is the answer;
+schedules differ in their bubble and in how many micro-batches they keep in memory.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from torch import nn
 from fxpipe.cost_model import spec_for
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
+from fxpipe.schedules import SCHEDULES, ScheduleError, check_schedule, make_schedule
 
 
 @dataclass
 class TunePoint:
-    """One micro-batch count of the sweep: predicted step seconds and peak bytes on the
-    fullest device, whether that fits, and the measured step seconds when it was run."""
+    """One (schedule, micro-batch count) of the sweep: predicted step seconds and peak bytes
+    on the fullest device, whether that fits, and the measured step seconds when it was run."""
 
     microbatches: int
     predicted_step: float
     predicted_memory: float
     fits: bool
     measured_step: float | None = None
+    schedule: str = "1f1b"
 
 
 def _batch_size(example_inputs: tuple) -> int:
@@ -61,16 +65,20 @@ def sweep(
     repeats: int = 3,
     example_kwargs: Mapping[str, Any] | None = None,
     profile: Any = None,
+    schedules: Sequence[str] | None = None,
 ) -> list[TunePoint]:
-    """Predict every candidate micro-batch count and measure a few; one TunePoint each.
+    """Predict every candidate (schedule, micro-batch count) and measure a few; one
+    TunePoint each, in schedule then count order.
 
     candidates: counts to predict (default 1 up to the batch size, at most 64);
-    measure: how many of the best predicted counts that fit to compile and time, or the
-    exact counts to time; repeats: timed steps per measured count (the fastest is kept,
-    after one warm-up step), each on the split that was predicted. The model is never
-    changed: the measured pipelines run on copies of the stages.
-    ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
-    for counts above the batch size, and what ``fxpipe.partition`` raises.
+    schedules: schedules to predict (default every built-in schedule that runs the plan's
+    stages and chunks); measure: how many of the best predicted pairs that fit to compile
+    and time, or the exact counts to time (under the plan's schedule); repeats: timed steps
+    per measured pair (the fastest is kept, after one warm-up step), each on the split that
+    was predicted. The model is never changed: the measured pipelines run on copies of the
+    stages. ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
+    for counts above the batch size or a schedule that cannot run the plan's stages, and
+    what ``fxpipe.partition`` raises.
     """
     from fxpipe.compiler import build_pipeline, partition
 
@@ -82,28 +90,52 @@ def sweep(
     if counts[0] < 1 or counts[-1] > batch:
         raise PlanError(f"tune candidates must lie in 1..{batch} (the example batch size), got {counts}")
     part = partition(model, plan, example_inputs, example_kwargs, profile)
+    names = list(schedules) if schedules is not None else _runnable_schedules(part, plan)
     limits = [spec_for(plan, d).memory for d in part.devices]
     points = []
-    for m in counts:
-        estimates = part.estimates(m)
-        memory = max(e.memory for e in estimates)
-        fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
-        points.append(TunePoint(m, part.simulate(m).step_time, memory, fits))
+    for name in names:
+        for m in counts:
+            # the split that was partitioned, under another schedule and count (split="auto"
+            # would otherwise re-split for each, and the measurement would not be of the prediction)
+            at = dataclasses.replace(part, plan=_with_schedule(plan, name, m, part.num_stages))
+            estimates = at.estimates()
+            memory = max(e.memory for e in estimates)
+            fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
+            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=name))
     if isinstance(measure, int):
         ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
-        timed = {p.microbatches for p in ranked[:measure]}
+        timed = {(p.schedule, p.microbatches) for p in ranked[:measure]}
     else:
-        timed = set(measure)
+        timed = {(plan.schedule, m) for m in measure}
     loss_fn = loss_fn or _mean_loss
     for point in points:
-        if point.microbatches in timed:
-            # the split that was predicted, run at this count (split="auto" would otherwise
-            # re-split for each count, and the measurement would not be of the prediction);
+        if (point.schedule, point.microbatches) in timed:
             # the pipeline places copies of the stages, so the model is not changed
-            at_count = dataclasses.replace(part, plan=plan.replace(microbatches=point.microbatches))
-            pipe = build_pipeline(at_count, model, loss_fn)
+            at = dataclasses.replace(part, plan=plan.replace(schedule=point.schedule, microbatches=point.microbatches))
+            pipe = build_pipeline(at, model, loss_fn)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
+
+
+def _runnable_schedules(part: Any, plan: Plan) -> list[str]:
+    """The built-in schedules that run ``part``'s stages with the plan's chunks."""
+    runnable = []
+    for name in SCHEDULES:
+        try:
+            check_schedule(make_schedule(name, part.num_stages, 1, plan.chunks), part.num_stages, 1)
+        except ScheduleError:
+            continue
+        runnable.append(name)
+    return runnable
+
+
+def _with_schedule(plan: Plan, schedule: str, microbatches: int, num_stages: int) -> Plan:
+    """``plan`` under another schedule and count; raises PlanError when they cannot run."""
+    try:
+        make_schedule(schedule, num_stages, microbatches, plan.chunks)
+    except ScheduleError as err:
+        raise PlanError(f"tune: schedule {schedule!r} cannot run this partition: {err}") from err
+    return plan.replace(schedule=schedule, microbatches=microbatches)
 
 
 def _time_step(pipe: Any, args: tuple, kwargs: Mapping[str, Any], target: Any, repeats: int) -> float:
@@ -126,13 +158,13 @@ def tune(
     plot: str | Path | None = None,
     **options: Any,
 ) -> Plan:
-    """The plan with the best micro-batch count: lowest measured step time among the
-    measured counts (lowest predicted when ``measure=0``).
+    """The plan with the best schedule and micro-batch count: lowest measured step time
+    among the measured pairs (lowest predicted when ``measure=0``).
 
-    ``options`` go to :func:`sweep` (candidates, measure, repeats, example_kwargs,
-    profile). ``plot``: write predicted (line) and measured (points) step time against
-    the micro-batch count to this image file. Raises PlanError when no count fits the
-    devices' memory, and what :func:`sweep` raises.
+    ``options`` go to :func:`sweep` (candidates, schedules, measure, repeats,
+    example_kwargs, profile). ``plot``: write predicted (lines, one per schedule) and
+    measured (points) step time against the micro-batch count to this image file. Raises
+    PlanError when nothing fits the devices' memory, and what :func:`sweep` raises.
     """
     plan = Plan.coerce(plan)
     points = sweep(model, plan, example_inputs, loss_fn, target, **options)
@@ -144,13 +176,14 @@ def tune(
     else:
         fitting = [p for p in points if p.fits]
         if not fitting:
-            raise PlanError("no micro-batch count fits the devices' memory; see Partitioned.explain() for where it goes")
+            raise PlanError("no schedule and micro-batch count fit the devices' memory; see Partitioned.explain() for where it goes")
         best = min(fitting, key=lambda p: p.predicted_step)
-    return plan.replace(microbatches=best.microbatches)
+    return plan.replace(schedule=best.schedule, microbatches=best.microbatches)
 
 
 def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None = None) -> Path:
-    """Draw predicted and measured step time against the micro-batch count; returns the path.
+    """Draw predicted and measured step time against the micro-batch count, one line per
+    schedule; returns the path.
 
     Raises ImportError without matplotlib (``pip install fxpipe[plot]``).
     """
@@ -160,10 +193,14 @@ def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p.microbatches for p in points], [p.predicted_step * 1e3 for p in points], "-", label="predicted")
-    measured = [p for p in points if p.measured_step is not None]
-    if measured:
-        ax.plot([p.microbatches for p in measured], [p.measured_step * 1e3 for p in measured], "o", label="measured")
+    schedules = list(dict.fromkeys(p.schedule for p in points))
+    for name in schedules:
+        own = [p for p in points if p.schedule == name]
+        label = f"predicted, {name}" if len(schedules) > 1 else "predicted"
+        line = ax.plot([p.microbatches for p in own], [p.predicted_step * 1e3 for p in own], "-", label=label)[0]
+        measured = [p for p in own if p.measured_step is not None]
+        if measured:
+            ax.plot([p.microbatches for p in measured], [p.measured_step * 1e3 for p in measured], "o", color=line.get_color(), label=label.replace("predicted", "measured"))
     unfit = [p for p in points if not p.fits]
     if unfit:
         ax.plot([p.microbatches for p in unfit], [p.predicted_step * 1e3 for p in unfit], "x", color="red", label="exceeds memory")

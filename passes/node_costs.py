@@ -7,19 +7,19 @@ output template). Writes ``node.meta["cost"]``: a :class:`NodeCost` on every com
 - Counted once per distinct node: nodes whose replay keys are equal (the same computation
   on inputs of the same shapes, dtypes and ``requires_grad``) and whose inputs play the same
   roles (activation or weight) cost the same, so a 48-layer LM is counted one layer's worth.
-- FLOPs: a distinct node is replayed alone on fresh fake tensors under
-  ``torch.utils.flop_counter.FlopCounterMode``: its forward, then its backward three ways:
-  B (every gradient at once), I (gradients of its activation inputs only: what the previous
-  stage waits for) and W (gradients of its weights: parameters, and values computed from
-  parameters alone, such as export's ``t(weight)``). Matmuls, convolutions and attention
-  are counted by PyTorch's formulas; ops it does not count (elementwise, norms, pooling) get
-  one FLOP per output element, views and pass-throughs none.
+- FLOPs: a distinct node is replayed alone on fresh fake tensors, its ops counted with
+  the formulas of ``torch.utils.flop_counter``: its forward, then its backward in two
+  parts: I (gradients of its activation inputs only: what the previous stage waits for)
+  and W (gradients of its weights: parameters, and values computed from parameters alone,
+  such as export's ``t(weight)``); the backward is I + W. Matmuls, convolutions and
+  attention are counted by PyTorch's formulas; ops it has none for (elementwise, norms,
+  pooling) get one FLOP per output element, views and pass-throughs none.
 - Bytes: activation bytes read and written (views move none); weight bytes read per call
   (parameters, buffers, weight-derived values: the same for any batch).
 - State: parameter bytes (trainable: they also carry gradients and optimizer state) and
   buffer bytes of the module a node calls, or of the tensor a ``get_attr`` fetches.
 - Activation bytes: outputs in new memory (views and in-place results count 0).
-- Ops: the ATen ops the forward, B, I and W dispatch (each pays a fixed cost), and the
+- Ops: the ATen ops the forward, I and W dispatch (each pays a fixed cost), and the
   node's kind ("conv", "matmul", "norm", "elementwise", "view"), which a calibration from
   ``fxpipe.profile`` rates separately.
 A node whose replay fails (an op without a fake kernel) keeps the fallback estimate and
@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from fxpipe.passes.fake_replay import FakeReplay, OutputTemplate
 from fxpipe.passes.meta import COMPUTE_OPS, COST
@@ -53,7 +53,7 @@ class NodeCost:
 
     fwd_flops / bwd_flops: FLOPs of its forward and of its whole backward (0 when nothing
     upstream needs a gradient); bwd_input_flops / bwd_weight_flops: the backward's gradients
-    of the node's activation inputs (I) and of its weights (W), counted apart;
+    of the node's activation inputs (I) and of its weights (W), which add up to bwd_flops;
     act_bytes_moved: activation bytes read plus written by the forward; weight_bytes:
     weight bytes read per call (any batch); param_bytes: trainable parameters held (each
     also has a gradient and optimizer state); buffer_bytes: buffers and frozen tensors held;
@@ -95,29 +95,35 @@ class NodeCost:
         return self.bwd_weight_ops / ops if ops else 0.0
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched while active and remembers their names."""
+class _Counter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active, their FLOPs (``flop_counter``'s
+    formulas; FlopCounterMode itself also tracks modules, which costs ~2x here) and names."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.ops = 0
+        self.flops = 0.0
         self.names: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func.namespace != "prim":  # prim.device and friends: metadata queries, no kernel
-            self.count += 1
-            self.names.add(func._overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+            packet = func._overloadpacket
+            self.ops += 1
+            self.names.add(packet.__name__)
+            if packet in flop_registry:
+                self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        return out
 
 
 @dataclass(frozen=True)
 class _Counts:
-    """FLOPs and ops of one distinct node's forward and three backwards."""
+    """(FLOPs, ops) of one distinct node's forward and its backward's I and W parts."""
 
     fwd: tuple[float, int]
     input_grad: tuple[float, int]
     weight_grad: tuple[float, int]
-    backward: tuple[float, int]
     op_names: frozenset[str]
 
 
@@ -186,11 +192,12 @@ def _cost(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, si
     except Exception:  # noqa: BLE001 - any op without a fake kernel falls back to the estimate
         counts = None
     if counts is None:
-        fwd, fwd_ops, i_flops, i_ops, w_flops, w_ops, bwd, bwd_ops = 0.0, 1, 0.0, 0, 0.0, 0, 0.0, 1
+        fwd, fwd_ops, i_flops, i_ops, w_flops, w_ops = 0.0, 1, 0.0, 0, 0.0, 0
         kind = "view" if view else ("conv" if _names_convolution(node, resolve) else "elementwise")
     else:
-        (fwd, fwd_ops), (i_flops, i_ops), (w_flops, w_ops), (bwd, bwd_ops) = counts.fwd, counts.input_grad, counts.weight_grad, counts.backward
+        (fwd, fwd_ops), (i_flops, i_ops), (w_flops, w_ops) = counts.fwd, counts.input_grad, counts.weight_grad
         kind = _kind(counts.op_names, view)
+    bwd, bwd_ops = i_flops + w_flops, i_ops + w_ops
     # ops flop_counter does not count still touch every output element once
     fwd = fwd or (0.0 if view else out_elems)
     if not bwd and needs_grad and not view:
@@ -218,7 +225,7 @@ def _cost(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, si
 
 
 def _count(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, side: set[fx.Node]) -> _Counts:
-    """Replay ``node`` alone on fresh fake tensors: FLOPs and ops of forward, I, W and B."""
+    """Replay ``node`` alone on fresh fake tensors: FLOPs and ops of its forward, I and W."""
     acts: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
     fresh: dict[fx.Node, Any] = {}
@@ -248,25 +255,22 @@ def _count(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, s
                 state[name] = fake_run.fake(t)
                 if isinstance(t, torch.nn.Parameter) and t.requires_grad and not any(w is state[name] for w in weights):
                     weights.append(state[name])
-        counter = _OpCounter()
-        with FlopCounterMode(display=False) as flops, counter:
+        with _Counter() as forward:
             out = fake_run.execute(node, args, kwargs, resolve, state)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         grads = [torch.empty_like(t) for t in outs]
-        phases = []
-        for wrt, last in ((acts, False), (weights, False), (acts + weights, True)):
-            phases.append(_backward(outs, grads, wrt, retain=not last))
-    return _Counts((float(flops.get_total_flops()), counter.count), phases[0], phases[1], phases[2], frozenset(counter.names))
+        input_grad = _backward(outs, grads, acts, retain=bool(weights))
+        weight_grad = _backward(outs, grads, weights, retain=False)
+    return _Counts((forward.flops, forward.ops), input_grad, weight_grad, frozenset(forward.names))
 
 
 def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor], wrt: list[torch.Tensor], retain: bool) -> tuple[float, int]:
     """(FLOPs, ops) of the gradients of ``outs`` with respect to ``wrt``."""
     if not outs or not wrt:
         return 0.0, 0
-    counter = _OpCounter()
-    with FlopCounterMode(display=False) as flops, counter:
+    with _Counter() as counter:
         torch.autograd.grad(outs, wrt, grads, retain_graph=retain, allow_unused=True)
-    return float(flops.get_total_flops()), counter.count
+    return counter.flops, counter.ops
 
 
 def _kind(op_names: frozenset[str], view: bool) -> str:

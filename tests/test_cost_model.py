@@ -250,6 +250,12 @@ def test_backward_splits_into_input_and_weight_gradients() -> None:
     costs = costs_of(part)
     for name, cost in costs.items():
         assert cost.bwd_input_flops + cost.bwd_weight_flops == pytest.approx(cost.bwd_flops), name
+    # I and W, counted apart, add up to what one real backward counts
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    counted = sum(c.fwd_flops + c.bwd_input_flops + c.bwd_weight_flops for c in costs.values() if c.kind in ("conv", "matmul"))
+    assert counted == counter.get_total_flops()
+    assert {c.kind for c in costs.values()} == {"conv", "matmul", "norm", "elementwise", "view"}
     # the first layer's input needs no gradient: all of its backward is weight gradient
     assert costs["_0"].bwd_input_flops == 0 and costs["_0"].bwd_weight_flops == costs["_0"].bwd_flops > 0
     # a Linear's two matmuls: d/dinput and d/dweight, each 2 x batch x in x out

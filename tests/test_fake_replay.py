@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
-from fxpipe.passes.fake_replay import FakeReplay, replay
-from fxpipe.passes.trace import trace
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+
+from fxpipe.passes.fake_replay import FakeReplay, replay
+from fxpipe.passes.trace import trace
 
 
 class Mixed(nn.Module):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.schedules import SCHEDULES
 from fxpipe.tune import sweep
 
 
@@ -20,7 +21,7 @@ PLAN = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], split="auto")
 
 
 def test_predicted_step_time_is_u_shaped_in_the_microbatch_count() -> None:
-    points = sweep(model(), PLAN, (X,), candidates=[1, 2, 4, 8, 16, 32, 64, 128, 256], measure=0)
+    points = sweep(model(), PLAN, (X,), candidates=[1, 2, 4, 8, 16, 32, 64, 128, 256], measure=0, schedules=["1f1b"])
     times = [p.predicted_step for p in points]
     best = times.index(min(times))
     assert 0 < best < len(times) - 1
@@ -43,9 +44,25 @@ def test_tune_returns_the_plan_with_the_best_measured_count(tmp_path) -> None:
 def test_counts_that_do_not_fit_memory_are_not_chosen() -> None:
     tight = fxpipe.DeviceSpec(flops=1e10, memory=0.9e6, bandwidth=1e9)
     plan = PLAN.replace(device_specs={"cpu": fxpipe.DeviceSpec(flops=1e10, memory=1e9, bandwidth=1e9)})
-    points = sweep(model(), plan, (X,), candidates=[1, 8, 64], measure=0)
+    points = sweep(model(), plan, (X,), candidates=[1, 8, 64], measure=0, schedules=["1f1b"])
     small = plan.replace(device_specs={"cpu": tight})
-    fits = {p.microbatches: p.fits for p in sweep(model(), small, (X,), candidates=[1, 8, 64], measure=0)}
+    fits = {p.microbatches: p.fits for p in sweep(model(), small, (X,), candidates=[1, 8, 64], measure=0, schedules=["1f1b"])}
     assert all(p.fits for p in points)
     assert not fits[1] and fits[64]
     assert fxpipe.tune(model(), small, (X,), candidates=[1, 8, 64], measure=0).microbatches != 1
+
+
+def test_tune_chooses_among_schedules_by_prediction() -> None:
+    """GPipe keeps every micro-batch's activations, 1F1B at most one per stage ahead: with
+    memory for 1F1B's peak and not GPipe's, tune picks the fastest predicted schedule that fits."""
+    plan = PLAN.replace(device_specs={"cpu": fxpipe.DeviceSpec(flops=1e10, memory=1e9, bandwidth=1e9)})
+    points = sweep(model(), plan, (X,), candidates=[4, 16], measure=0)
+    assert [(p.schedule, p.microbatches) for p in points] == [(s, m) for s in SCHEDULES for m in (4, 16)]
+    memory = {(p.schedule, p.microbatches): p.predicted_memory for p in points}
+    assert memory[("gpipe", 16)] > memory[("1f1b", 16)]
+    limit = (memory[("gpipe", 16)] + memory[("1f1b", 16)]) / 2
+    tight = plan.replace(device_specs={"cpu": fxpipe.DeviceSpec(flops=1e10, memory=limit, bandwidth=1e9)})
+    fitting = [p for p in sweep(model(), tight, (X,), candidates=[16], measure=0) if p.fits]
+    assert "gpipe" not in {p.schedule for p in fitting} and "1f1b" in {p.schedule for p in fitting}
+    best = fxpipe.tune(model(), tight, (X,), candidates=[16], measure=0)
+    assert best.schedule == min(fitting, key=lambda p: p.predicted_step).schedule and best.microbatches == 16

@@ -287,7 +287,7 @@ def main() -> None:
     if "sweep" in args.parts:
         print("\nmicro-batch sweep, transformer encoder, 2 stages (predicted for all, measured for some)")
         plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto")
-        points = sweep(encoder, plan, (ids,), loss, tt, candidates=[1, 2, 4, 8, 16], measure=[1, 2, 4, 8, 16], repeats=min(repeats, 3))
+        points = sweep(encoder, plan, (ids,), loss, tt, candidates=[1, 2, 4, 8, 16], measure=[1, 2, 4, 8, 16], repeats=min(repeats, 3), schedules=[plan.schedule])
         for p in points:
             print(f"  m={p.microbatches:3d}: predicted {p.predicted_step * 1e3:7.1f} ms, measured {p.measured_step * 1e3:7.1f} ms")
         if args.plot:

@@ -1,0 +1,171 @@
+"""Benchmark: compile time of fxpipe against torch.distributed.pipelining.pipeline() (TDP).
+
+Side by side in one process, on the same split points (ratios are what to compare:
+absolute times follow the machine's load):
+
+  resnet152  fxpipe.compile with stages starting at layer2, layer3 and layer4, and with
+             split="auto", against TDP's pipeline() with those split points
+  lm         a 48-layer GPT-2-style LM (transformers' GPT2LMHeadModel, width 64), 4 stages
+             by module path (transformer.h.12 / .24 / .36), and split="auto", against
+             pipeline() with those split points
+  scaling    fxpipe.partition of nn.Sequential graphs of 2,500 / 5,000 / 10,000 nodes
+             (Linear + ReLU pairs) into 4 stages, split="auto" and explicit, against
+             pipeline() with the explicit split points; microseconds per node show whether
+             time grows linearly. TDP grows faster than linearly (about 250 s at 10,000
+             nodes here), so it runs up to --tdp-up-to nodes (default 5,000).
+
+After one untimed warm-up of each, every round compiles with TDP, then fxpipe explicit,
+then fxpipe auto, so a slow spell of the machine hits all three; the figure is the median
+over --rounds rounds. torch._dynamo
+is imported before anything is timed: both compilers need it (fxpipe's fake tensors, TDP's
+torch.export), and the first to import it would otherwise pay ~2 s. --profile PART prints
+a cProfile of fxpipe's compiles of that part (where the time goes).
+
+Goals (issue 15): resnet152 <= 0.2x TDP with explicit splits and <= 0.4x with "auto";
+the LM <= 0.3x / <= 0.5x; the 10,000-node partition(split="auto") <= 5 s, linear growth.
+
+    .venv/bin/python examples/benchmarks/compile.py [--quick] [--parts resnet152 lm scaling]
+        [--rounds 3] [--tdp-up-to 5000] [--profile lm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch._dynamo  # noqa: F401 - imported once, untimed (see the module doc)
+import torchvision
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+import fxpipe
+
+PARTS = ("resnet152", "lm", "scaling")
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _loss(out, target) -> torch.Tensor:
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return logits.float().mean()
+
+
+def _lm(layers: int) -> tuple[nn.Module, torch.Tensor]:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=64, n_head=4, vocab_size=1024, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config), torch.randint(0, 1024, (8, 32))
+
+
+def _stack(nodes: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(nodes // 2):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], rounds: int, profile: bool, compile_fn: str = "compile") -> None:
+    """Time TDP's pipeline() and fxpipe (explicit, auto) on ``paths``; print medians and ratios."""
+    devices = [f"cpu:{k}" for k in range(len(paths) + 1)]
+    microbatch = x[: max(1, x.shape[0] // 4)]
+    fx_compile = getattr(fxpipe, compile_fn)
+    kwargs = {"loss_fn": _loss} if compile_fn == "compile" else {}
+    runs = {
+        "tdp": lambda: pipeline(model, mb_args=(microbatch,), split_spec={p: SplitPoint.BEGINNING for p in paths}),
+        "fxpipe explicit": lambda: fx_compile(model, fxpipe.Plan(devices=devices, split=paths, microbatches=4), example_inputs=(x,), **kwargs),
+        "fxpipe auto": lambda: fx_compile(model, fxpipe.Plan(devices=devices, split="auto", microbatches=4), example_inputs=(x,), **kwargs),
+    }
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    profiler = cProfile.Profile() if profile else None
+    for run in runs.values():  # warm-up, untimed: first calls set caches up
+        run()
+    for _ in range(rounds):
+        for label, run in runs.items():
+            if profiler is not None and label != "tdp":
+                profiler.enable()
+            times[label].append(_seconds(run))
+            if profiler is not None:
+                profiler.disable()
+    median = {label: statistics.median(t) for label, t in times.items()}
+    print(f"\n{name}: fxpipe.{compile_fn} vs pipeline(), split points {paths}, median of {rounds}")
+    print(f"  pipeline() {median['tdp']:.2f} s")
+    for label in ("fxpipe explicit", "fxpipe auto"):
+        print(f"  {label:16s} {median[label]:.2f} s = {median[label] / median['tdp']:.2f}x pipeline()")
+    if profiler is not None:
+        print(f"  cProfile of fxpipe's {2 * rounds} compiles (cumulative, fxpipe and torch.export frames):")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/|torch/export)", 25)
+
+
+def scaling(sizes: list[int], rounds: int, tdp_up_to: int, profile: bool) -> None:
+    """partition() time per node at growing sizes, and TDP's on the same split points."""
+    print(f"\nscaling: fxpipe.partition of nn.Sequential stacks into 4 stages, median of {rounds}")
+    print(f"  {'nodes':>6s} {'auto':>8s} {'explicit':>9s} {'auto/node':>10s} {'pipeline()':>11s} {'auto/TDP':>9s}")
+    profiler = cProfile.Profile() if profile else None
+    fxpipe.partition(_stack(100), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto"), example_inputs=(torch.randn(8, 16),))  # warm-up
+    first: float | None = None
+    for n in sizes:
+        model, x = _stack(n), torch.randn(8, 16)
+        paths = [str(n // 4 * k) for k in (1, 2, 3)]
+        devices = [f"cpu:{k}" for k in range(4)]
+        auto, explicit = [], []
+        for _ in range(rounds):
+            if profiler is not None:
+                profiler.enable()
+            auto.append(_seconds(lambda: fxpipe.partition(model, fxpipe.Plan(devices=devices, split="auto"), example_inputs=(x,))))  # noqa: B023
+            explicit.append(_seconds(lambda: fxpipe.partition(model, fxpipe.Plan(devices=devices, split=paths), example_inputs=(x,))))  # noqa: B023
+            if profiler is not None:
+                profiler.disable()
+        a, e = statistics.median(auto), statistics.median(explicit)
+        per_node = a / n * 1e6
+        first = first or per_node
+        tdp = "skipped" if n > tdp_up_to else None
+        ratio = ""
+        if tdp is None:
+            seconds = _seconds(lambda: pipeline(model, mb_args=(x[:2],), split_spec={p: SplitPoint.BEGINNING for p in paths}))  # noqa: B023
+            tdp, ratio = f"{seconds:.2f} s", f"{a / seconds:.2f}x"
+        print(f"  {n:6d} {a:7.2f}s {e:8.2f}s {per_node:7.0f} µs ({per_node / first:.2f}x) {tdp:>11s} {ratio:>9s}")
+    if profiler is not None:
+        print("  cProfile of fxpipe's partitions (cumulative):")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/)", 25)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models, one round (checks the script runs)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (default all)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per compiler (median)")
+    parser.add_argument("--tdp-up-to", type=int, default=5000, help="largest stack pipeline() compiles in the scaling part")
+    parser.add_argument("--profile", choices=PARTS, default=None, help="print a cProfile of fxpipe's compiles of this part")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    rounds = 1 if args.quick else args.rounds
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    if "resnet152" in args.parts:
+        model = torchvision.models.resnet18(num_classes=10) if args.quick else torchvision.models.resnet152(num_classes=10)
+        size = 64 if args.quick else 224
+        compare("resnet18" if args.quick else "resnet152", model, torch.randn(8, 3, size, size), ["layer2", "layer3", "layer4"], rounds, args.profile == "resnet152")
+    if "lm" in args.parts:
+        layers = 8 if args.quick else 48
+        model, ids = _lm(layers)
+        paths = [f"transformer.h.{layers // 4 * k}" for k in (1, 2, 3)]
+        compare(f"GPT-2-style LM, {layers} layers, width 64", model, ids, paths, rounds, args.profile == "lm")
+    if "scaling" in args.parts:
+        sizes = [250, 500, 1000] if args.quick else [2500, 5000, 10000]
+        scaling(sizes, rounds, args.tdp_up_to, args.profile == "scaling")
+
+
+if __name__ == "__main__":
+    main()
