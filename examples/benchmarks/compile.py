@@ -31,7 +31,9 @@ the LM <= 0.3x / <= 0.5x; the 10,000-node partition(split="auto") <= 5 s, linear
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -52,6 +54,13 @@ def _seconds(run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
+
+
+def _tdp(model: nn.Module, microbatch: torch.Tensor, paths: list[str]) -> Callable[[], object]:
+    """A pipeline() compile of a fresh copy of ``model`` (made untimed): pipeline() wraps the
+    forwards of the split modules in place, so a second call on one model nests the wrappers."""
+    fresh = copy.deepcopy(model)
+    return lambda: pipeline(fresh, mb_args=(microbatch,), split_spec={p: SplitPoint.BEGINNING for p in paths})
 
 
 def _loss(out, target) -> torch.Tensor:
@@ -76,30 +85,31 @@ def _stack(nodes: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], rounds: int, profile: bool, compile_fn: str = "compile") -> None:
+def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], rounds: int, profile: bool) -> None:
     """Time TDP's pipeline() and fxpipe (explicit, auto) on ``paths``; print medians and ratios."""
     devices = [f"cpu:{k}" for k in range(len(paths) + 1)]
     microbatch = x[: max(1, x.shape[0] // 4)]
-    fx_compile = getattr(fxpipe, compile_fn)
-    kwargs = {"loss_fn": _loss} if compile_fn == "compile" else {}
-    runs = {
-        "tdp": lambda: pipeline(model, mb_args=(microbatch,), split_spec={p: SplitPoint.BEGINNING for p in paths}),
-        "fxpipe explicit": lambda: fx_compile(model, fxpipe.Plan(devices=devices, split=paths, microbatches=4), example_inputs=(x,), **kwargs),
-        "fxpipe auto": lambda: fx_compile(model, fxpipe.Plan(devices=devices, split="auto", microbatches=4), example_inputs=(x,), **kwargs),
+    # per compiler, an untimed set-up returning the compile to time
+    prepare = {
+        "tdp": lambda: _tdp(model, microbatch, paths),
+        "fxpipe explicit": lambda: functools.partial(fxpipe.compile, model, fxpipe.Plan(devices=devices, split=paths, microbatches=4), (x,), loss_fn=_loss),
+        "fxpipe auto": lambda: functools.partial(fxpipe.compile, model, fxpipe.Plan(devices=devices, split="auto", microbatches=4), (x,), loss_fn=_loss),
     }
-    times: dict[str, list[float]] = {label: [] for label in runs}
+    times: dict[str, list[float]] = {label: [] for label in prepare}
     profiler = cProfile.Profile() if profile else None
-    for run in runs.values():  # warm-up, untimed: first calls set caches up
-        run()
+    for setup in prepare.values():  # warm-up, untimed: first calls set caches up
+        setup()()
     for _ in range(rounds):
-        for label, run in runs.items():
-            if profiler is not None and label != "tdp":
+        for label, setup in prepare.items():
+            run = setup()
+            profiling = profiler is not None and label != "tdp"
+            if profiling:
                 profiler.enable()
             times[label].append(_seconds(run))
-            if profiler is not None:
+            if profiling:
                 profiler.disable()
     median = {label: statistics.median(t) for label, t in times.items()}
-    print(f"\n{name}: fxpipe.{compile_fn} vs pipeline(), split points {paths}, median of {rounds}")
+    print(f"\n{name}: fxpipe.compile vs pipeline(), split points {paths}, median of {rounds}")
     print(f"  pipeline() {median['tdp']:.2f} s")
     for label in ("fxpipe explicit", "fxpipe auto"):
         print(f"  {label:16s} {median[label]:.2f} s = {median[label] / median['tdp']:.2f}x pipeline()")
@@ -133,7 +143,7 @@ def scaling(sizes: list[int], rounds: int, tdp_up_to: int, profile: bool) -> Non
         tdp = "skipped" if n > tdp_up_to else None
         ratio = ""
         if tdp is None:
-            seconds = _seconds(lambda: pipeline(model, mb_args=(x[:2],), split_spec={p: SplitPoint.BEGINNING for p in paths}))  # noqa: B023
+            seconds = _seconds(_tdp(model, x[:2], paths))
             tdp, ratio = f"{seconds:.2f} s", f"{a / seconds:.2f}x"
         print(f"  {n:6d} {a:7.2f}s {e:8.2f}s {per_node:7.0f} µs ({per_node / first:.2f}x) {tdp:>11s} {ratio:>9s}")
     if profiler is not None:
