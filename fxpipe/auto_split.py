@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe import format as fmt
-from fxpipe.cost_model import OPTIMIZER_STATES, DeviceModel, stage_models, state_bytes
+from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
 from fxpipe.estimates import in_flight, measured_device, play
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
@@ -50,9 +50,10 @@ class AutoSplit:
     how: str
 
 
-def auto_split(graph: fx.Graph, plan: Plan) -> AutoSplit:
+def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = None) -> AutoSplit:
     """The cuts of ``graph`` (nodes carry ``cost``, and ``measured_time`` where profiled)
-    for ``plan``: the exact min-max split, refined for the plan's schedule.
+    for ``plan``: the exact min-max split, refined for the plan's schedule. ``calibration``
+    (from ``fxpipe.profile``) rates the nodes the profile did not time.
 
     One stage per entry of ``plan.devices`` (times ``plan.chunks``). Writes nothing on the
     graph. Raises AnnotateError when there are fewer compute nodes than stages, PlanError
@@ -61,7 +62,7 @@ def auto_split(graph: fx.Graph, plan: Plan) -> AutoSplit:
     """
     num_stages = len(plan.devices or []) * plan.chunks
     devices = [plan.devices[s % len(plan.devices)] for s in range(num_stages)]
-    models = stage_models(plan, devices)
+    models = stage_models(plan, devices, calibration)
     m = plan.microbatches
     compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(compute) < num_stages:
@@ -70,7 +71,7 @@ def auto_split(graph: fx.Graph, plan: Plan) -> AutoSplit:
             "nodes; use fewer devices (plan.devices) or chunks"
         )
     order, cuts = ordered_problem_inputs(_dataflow(compute), compute)
-    measured_on = measured_device(graph, plan)
+    measured_on = measured_device(graph, plan, calibration)
     fwd_bwd = torch.tensor(
         [[mdl.node_times(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
         dtype=torch.float64,

@@ -15,6 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.auto_split import auto_split
+from fxpipe.cost_model import Calibration
 from fxpipe.devices import check_available, default_devices
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
@@ -67,14 +68,14 @@ def _stage_devices(plan: Plan, workers: list[int], tag_devices: list[str] | None
     )
 
 
-def _annotate(graph, plan: Plan, model: nn.Module) -> tuple[annotate_pass.StageAssignment, str]:
+def _annotate(graph, plan: Plan, model: nn.Module, profile: Profile | None) -> tuple[annotate_pass.StageAssignment, str]:
     if isinstance(plan.split, list):
         known = {name for name, _ in model.named_modules()}
         return annotate_pass.annotate_by_split_points(graph, plan.split, known), f"plan.split={plan.split}"
     if plan.split == "auto":
         if plan.devices is None:
             raise PlanError("split='auto' needs plan.devices: the devices to spread the model over")
-        cuts = auto_split(graph, plan)
+        cuts = auto_split(graph, plan, profile.calibration if profile is not None else None)
         return annotate_pass.annotate_by_cuts(graph, cuts.starts, cuts.reasons, cuts.how), "split='auto' (cost model)"
     if annotate_pass.has_tags(graph):
         return annotate_pass.annotate_by_tags(graph), "the device_guard tags"
@@ -133,12 +134,12 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
     if profile is not None:
         profile.apply(gm.graph)
     progress.phase("split")
-    assignment, how = _annotate(gm.graph, plan, model)
+    assignment, how = _annotate(gm.graph, plan, model, profile)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     progress.phase("partition")
     return _cut(
         traced, plan, assignment, how, type(model).__name__, lambda s: resolve, _unused_state(model, used),
-        example_inputs, kwargs,
+        example_inputs, kwargs, calibration=profile.calibration if profile is not None else None,
     )
 
 
@@ -168,14 +169,17 @@ def partition_like(
         assignment = annotate_pass.annotate_by_anchors(graph, first.anchors, [s.reason for s in first.stages])
         how = "split='auto' (the first signature's cut)"
     else:
-        assignment, how = _annotate(graph, plan, model)
+        assignment, how = _annotate(graph, plan, model, None)
     if assignment.num_stages != first.num_stages:
         raise PlanError(
             f"the trace for {traced.key} has {assignment.num_stages} stage(s) by {how}, the first signature "
             f"{first.num_stages}: stage boundaries must not move between signatures"
         )
     own = functools.partial(_shared_or_traced, traced)
-    part = _cut(traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, resolve_for(s)), {}, args, dict(kwargs), devices=first.devices)
+    part = _cut(
+        traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, resolve_for(s)), {}, args, dict(kwargs),
+        devices=first.devices, calibration=first.calibration,
+    )
     if part.stage_workers != first.stage_workers:
         raise PlanError(f"the trace for {traced.key} places stages on workers {part.stage_workers}, the first signature on {first.stage_workers}")
     return part
@@ -235,6 +239,7 @@ def _cut(
     example_inputs: tuple,
     example_kwargs: dict,
     devices: list[str] | None = None,
+    calibration: Calibration | None = None,
 ) -> Partitioned:
     """Partition an annotated trace, run the per-stage passes, and describe the result."""
     gm = traced.graph_module
@@ -276,7 +281,7 @@ def _cut(
     return Partitioned(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
         example_inputs, example_kwargs, list(traced.notes), deps, workers,
-        key=traced.key, key_of=traced.key_of, anchors=stage_anchors,
+        key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
     )
 
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -111,20 +112,50 @@ def spec_for(plan: Plan, device: str) -> DeviceSpec:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """How a device runs each kind of node (``NodeCost.kind``: conv, matmul, norm,
+    elementwise, view) against the roofline estimate, measured by ``fxpipe.profile``.
+
+    forward / backward: per kind, measured seconds over estimated seconds, both above the
+    fixed per-op cost (1.0: as estimated; kinds the profile did not see get the ratio of
+    all its nodes together). Applies to every device of ``device``'s type (``cpu:N`` share
+    the host CPU); ``nodes``: how many timed nodes it was fitted on.
+    """
+
+    device: str
+    forward: Mapping[str, float]
+    backward: Mapping[str, float]
+    nodes: int = 0
+
+    def factors(self, kind: str) -> tuple[float, float]:
+        """(forward, backward) factor for a node of ``kind``."""
+        return self.forward.get(kind, self.forward.get("all", 1.0)), self.backward.get(kind, self.backward.get("all", 1.0))
+
+    def applies_to(self, device: str) -> bool:
+        return _kind(device) == _kind(self.device)
+
+
+@dataclass(frozen=True)
 class DeviceModel:
-    """A device as the cost model sees it: its spec plus memory bandwidth and op overhead."""
+    """A device as the cost model sees it: its spec plus memory bandwidth and op overhead,
+    and the per-kind calibration measured on it, if any."""
 
     device: str
     spec: DeviceSpec
     memory_bandwidth: float
     op_overhead: float
     conv_weight_passes: tuple[float, float] = (1.0, 3.0)
+    calibration: Calibration | None = None
 
     @classmethod
-    def of(cls, plan: Plan, device: str) -> DeviceModel:
+    def of(cls, plan: Plan, device: str, calibration: Calibration | None = None) -> DeviceModel:
+        """The model of ``device`` under ``plan``; ``calibration`` is kept when it was measured
+        on a device of the same type."""
         spec = spec_for(plan, device)
         kind = _kind(device)
-        return cls(device, spec, spec.flops / _BALANCE[kind], _OP_OVERHEAD[kind], _CONV_WEIGHT_PASSES[kind])
+        if calibration is not None and not calibration.applies_to(device):
+            calibration = None
+        return cls(device, spec, spec.flops / _BALANCE[kind], _OP_OVERHEAD[kind], _CONV_WEIGHT_PASSES[kind], calibration)
 
     def node_times(self, cost: NodeCost, fraction: float, measured: MeasuredTime | None = None, measured_on: DeviceModel | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of a node on a micro-batch ``fraction`` of the example batch."""
@@ -133,27 +164,38 @@ class DeviceModel:
 
     def node_phases(self, cost: NodeCost, fraction: float, measured: MeasuredTime | None = None, measured_on: DeviceModel | None = None) -> NodeTimes:
         """Forward, input-gradient and weight-gradient seconds of a node on a micro-batch
-        ``fraction`` of the example batch; ``measured`` (taken on ``measured_on``) replaces
-        the estimate, its backward split by the counted weight share."""
+        ``fraction`` of the example batch, its backward split by the counted weight share.
+
+        ``measured`` (taken on ``measured_on``) replaces the estimate: above the fixed
+        per-op cost it is scaled by how the estimate changes from where it was measured
+        (micro-batch, device) to here, so a weight-bound layer does not shrink with the
+        micro-batch as a compute-bound one does.
+        """
         fixed_fwd, fixed_bwd = max(cost.fwd_ops, 1), max(cost.bwd_ops, 1)  # ops paying the fixed cost
+        fwd, bwd = self.variable_seconds(cost, fraction)
         if measured is not None and measured_on is not None:
-            # times scale with the batch only away from the size they were measured at
-            ratio = measured_on.spec.flops / self.spec.flops * fraction / measured.batch_fraction
-            fwd = self.op_overhead * fixed_fwd + max(measured.forward - measured_on.op_overhead * fixed_fwd, 0.0) * ratio
-            bwd = 0.0
-            if measured.backward:
-                bwd = self.op_overhead * fixed_bwd + max(measured.backward - measured_on.op_overhead * fixed_bwd, 0.0) * ratio
-        else:
-            weights_fwd, weights_bwd = self.conv_weight_passes if cost.convolution else _DENSE_WEIGHT_PASSES
-            moved = cost.act_bytes_moved * fraction
-            fwd = self.op_overhead * fixed_fwd + max(cost.fwd_flops * fraction / self.spec.flops, (moved + weights_fwd * cost.weight_bytes) / self.memory_bandwidth)
-            bwd = 0.0
-            if cost.bwd_flops or cost.bwd_ops:
-                bwd = self.op_overhead * fixed_bwd + max(
-                    cost.bwd_flops * fraction / self.spec.flops, (2 * moved + weights_bwd * cost.weight_bytes) / self.memory_bandwidth
-                )
+            at_fwd, at_bwd = measured_on.variable_seconds(cost, measured.batch_fraction)
+            fwd = _rescaled(measured.forward - measured_on.op_overhead * fixed_fwd, fwd, at_fwd)
+            bwd = _rescaled(measured.backward - measured_on.op_overhead * fixed_bwd, bwd, at_bwd) if measured.backward else 0.0
+        fwd += self.op_overhead * fixed_fwd
+        if bwd or cost.bwd_flops or cost.bwd_ops:
+            bwd += self.op_overhead * fixed_bwd
         weight = bwd * cost.weight_share
         return NodeTimes(fwd, bwd - weight, weight)
+
+    def variable_seconds(self, cost: NodeCost, fraction: float) -> tuple[float, float]:
+        """(forward, backward) roofline seconds of a node above its fixed per-op cost, on a
+        micro-batch ``fraction`` of the example batch, calibrated when the model is."""
+        weights_fwd, weights_bwd = self.conv_weight_passes if cost.convolution else _DENSE_WEIGHT_PASSES
+        moved = cost.act_bytes_moved * fraction
+        fwd = max(cost.fwd_flops * fraction / self.spec.flops, (moved + weights_fwd * cost.weight_bytes) / self.memory_bandwidth)
+        bwd = 0.0
+        if cost.bwd_flops or cost.bwd_ops:
+            bwd = max(cost.bwd_flops * fraction / self.spec.flops, (2 * moved + weights_bwd * cost.weight_bytes) / self.memory_bandwidth)
+        if self.calibration is not None:
+            scale_fwd, scale_bwd = self.calibration.factors(cost.kind)
+            fwd, bwd = fwd * scale_fwd, bwd * scale_bwd
+        return fwd, bwd
 
     def seconds_per_byte(self, other: DeviceModel) -> float:
         """Seconds per byte sent between this device and ``other`` (0 on the same device)."""
@@ -167,11 +209,41 @@ def state_bytes(cost: NodeCost) -> float:
     return cost.param_bytes * (2 + OPTIMIZER_STATES) + cost.buffer_bytes
 
 
+def calibrate(model: DeviceModel, samples: Iterable[tuple[NodeCost, MeasuredTime]]) -> Calibration:
+    """The per-kind Calibration of ``model``'s device from timed nodes (``samples``: each
+    node's cost and its measured time): per kind, the sum of the measured seconds over the
+    sum of the estimated ones, both above the fixed per-op cost and at the micro-batch the
+    nodes were timed on. Returns factors of 1.0 when nothing was timed."""
+    model = replace(model, calibration=None)
+    sums: dict[tuple[str, str], list[float]] = {}
+    count = 0
+    for cost, measured in samples:
+        count += 1
+        est_fwd, est_bwd = model.variable_seconds(cost, measured.batch_fraction)
+        got_fwd = max(measured.forward - model.op_overhead * max(cost.fwd_ops, 1), 0.0)
+        got_bwd = max(measured.backward - model.op_overhead * max(cost.bwd_ops, 1), 0.0) if measured.backward else 0.0
+        for kind in (cost.kind, "all"):
+            for phase, got, est in (("forward", got_fwd, est_fwd), ("backward", got_bwd, est_bwd)):
+                if est > 0:
+                    total = sums.setdefault((phase, kind), [0.0, 0.0])
+                    total[0] += got
+                    total[1] += est
+    factors: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+    for (phase, kind), (got, est) in sums.items():
+        factors[phase][kind] = got / est
+    return Calibration(model.device, factors["forward"], factors["backward"], count)
+
+
+def _rescaled(measured: float, here: float, there: float) -> float:
+    """A measured variable time moved from where it was taken (estimate ``there``) to here."""
+    return max(measured, 0.0) * (here / there) if there > 0 else max(measured, 0.0)
+
+
 def transfer_seconds(models: list[DeviceModel], src: int, dst: int, nbytes: float) -> float:
     """Seconds to move ``nbytes`` from stage ``src``'s device to stage ``dst``'s."""
     return nbytes * models[src].seconds_per_byte(models[dst]) + max(models[src].spec.latency, models[dst].spec.latency)
 
 
-def stage_models(plan: Plan, devices: list[str]) -> list[DeviceModel]:
-    """One DeviceModel per stage device."""
-    return [DeviceModel.of(plan, d) for d in devices]
+def stage_models(plan: Plan, devices: list[str], calibration: Calibration | None = None) -> list[DeviceModel]:
+    """One DeviceModel per stage device (calibrated where ``calibration`` applies)."""
+    return [DeviceModel.of(plan, d, calibration) for d in devices]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxpipe.cost_model import DeviceModel, stage_models, state_bytes, transfer_seconds
+from fxpipe.cost_model import Calibration, DeviceModel, stage_models, state_bytes, transfer_seconds
 from fxpipe.passes.meta import EDGE, MEASURED, STAGE
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.partition import Edge
@@ -73,19 +73,27 @@ def in_flight(plan: Plan, num_stages: int, microbatches: int | None = None) -> l
     return [max(peaks.get(s, 1), 1) for s in range(num_stages)]
 
 
-def measured_device(graph: fx.Graph, plan: Plan) -> DeviceModel | None:
+def measured_device(graph: fx.Graph, plan: Plan, calibration: Calibration | None = None) -> DeviceModel | None:
     """The device ``fxpipe.profile`` timed the graph's nodes on, if it did."""
     for node in graph.nodes:
         if MEASURED in node.meta:
-            return DeviceModel.of(plan, node.meta[MEASURED].device)
+            return DeviceModel.of(plan, node.meta[MEASURED].device, calibration)
     return None
 
 
-def estimate_stages(graph: fx.Graph, edges: Sequence[Edge], devices: list[str], plan: Plan, microbatches: int | None = None) -> list[StageEstimate]:
-    """Per stage of a partitioned graph (nodes carry ``stage`` and ``cost``), its estimate."""
+def estimate_stages(
+    graph: fx.Graph,
+    edges: Sequence[Edge],
+    devices: list[str],
+    plan: Plan,
+    microbatches: int | None = None,
+    calibration: Calibration | None = None,
+) -> list[StageEstimate]:
+    """Per stage of a partitioned graph (nodes carry ``stage`` and ``cost``), its estimate;
+    ``calibration`` (from ``fxpipe.profile``) rates the nodes it did not time."""
     m = microbatches or plan.microbatches
-    models = stage_models(plan, devices)
-    measured_on = measured_device(graph, plan)
+    models = stage_models(plan, devices, calibration)
+    measured_on = measured_device(graph, plan, calibration)
     flight = in_flight(plan, len(devices), m)
     est = [StageEstimate(k, d, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, flight[k]) for k, d in enumerate(devices)]
     for node in graph.nodes:
@@ -128,10 +136,17 @@ def play(
     )
 
 
-def predicted_timeline(graph: fx.Graph, edges: Sequence[Edge], devices: list[str], plan: Plan, microbatches: int | None = None) -> Timeline:
+def predicted_timeline(
+    graph: fx.Graph,
+    edges: Sequence[Edge],
+    devices: list[str],
+    plan: Plan,
+    microbatches: int | None = None,
+    calibration: Calibration | None = None,
+) -> Timeline:
     """The predicted Timeline of one training step of a partitioned graph under ``plan``."""
     m = microbatches or plan.microbatches
-    est = estimate_stages(graph, edges, devices, plan, m)
+    est = estimate_stages(graph, edges, devices, plan, m, calibration)
     sizes: dict[tuple[int, int], float] = {}
     for edge in edges:
         sizes[(edge.src, edge.dst)] = sizes.get((edge.src, edge.dst), 0.0) + edge.nbytes / m

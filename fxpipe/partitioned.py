@@ -10,6 +10,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe import format as fmt
+from fxpipe.cost_model import Calibration
 from fxpipe.estimates import StageEstimate, estimate_stages, predicted_timeline
 from fxpipe.passes.partition import PartitionedGraph
 from fxpipe.plan import Plan
@@ -31,7 +32,8 @@ class Partitioned:
     runs on under the plan's schedule (compile-time facts the runtimes read);
     key: the signature of the call the trace was made for (``key_of(args, kwargs)`` gives a
     call's in the same terms); anchors: where each stage after the first begins, to cut
-    another signature's trace at the same places.
+    another signature's trace at the same places; calibration: the per-kind rates
+    ``fxpipe.profile`` measured, if a profile was given.
     """
 
     plan: Plan
@@ -49,6 +51,7 @@ class Partitioned:
     key: Any = None
     key_of: Callable[..., Any] | None = None
     anchors: list[Any] = field(default_factory=list)
+    calibration: Calibration | None = None
 
     @property
     def num_workers(self) -> int:
@@ -119,7 +122,7 @@ class Partitioned:
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from
         the node costs the compiler wrote. ``microbatches`` defaults to the plan's."""
-        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
+        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches, self.calibration)
 
     def simulate(self, microbatches: int | None = None) -> Timeline:
         """The predicted Timeline of one training step under the plan's schedule.
@@ -128,7 +131,7 @@ class Partitioned:
         ``microbatches`` overrides the plan's count. Returns a Timeline of kind "predicted"
         whose ``activation_bytes`` gives each stage's bytes per micro-batch.
         """
-        return predicted_timeline(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches)
+        return predicted_timeline(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches, self.calibration)
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""

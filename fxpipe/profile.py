@@ -24,9 +24,13 @@ up: on CPU, ResNet-50's first convolution timed several times its in-model time 
 One warm-up step is run and discarded, then ``repeats`` timed steps; each node's forward
 and backward are the medians over them. Gradients accumulate into the copy's ``.grad``
 between steps, as over a pipeline's micro-batches. The CPU thread count is the caller's.
-Passing the result as ``fxpipe.partition(..., profile=p)`` (or ``compile``) makes
-``split="auto"``, the summary and ``simulate()`` use these times instead of the FLOP
-estimates. The user's model is not touched (a copy runs, so BatchNorm statistics and
+
+The timed nodes also calibrate the cost model (``Profile.calibration``): per kind of node
+(conv, matmul, norm, elementwise, view), how much slower or faster than its roofline
+estimate the device ran it. Passing the result as ``fxpipe.partition(..., profile=p)`` (or
+``compile``) makes ``split="auto"``, the summary and ``simulate()`` use the measured times
+for the nodes it timed and the calibrated estimates for any other node (a profile of a
+smaller model of the same layers calibrates a bigger one). The user's model is not touched (a copy runs, so BatchNorm statistics and
 gradients stay as they were), nor are the example inputs (each step runs on clones).
 """
 
@@ -44,21 +48,25 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.cost_model import MeasuredTime
+from fxpipe.cost_model import Calibration, DeviceModel, MeasuredTime, calibrate
 from fxpipe.devices import check_available, normalize_device, torch_device
 from fxpipe.microbatch import split
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED
-from fxpipe.passes.targets import lookup
+from fxpipe.passes.node_costs import annotate_costs, cost_of
+from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import trace
 from fxpipe.plan import Plan
 
 
 @dataclass
 class Profile:
-    """Measured seconds per node name at the example batch on ``device``."""
+    """Measured seconds per node name on ``device`` (at the plan's micro-batch), and the
+    per-kind calibration of the cost model they give."""
 
     device: str
     times: dict[str, MeasuredTime] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     @property
     def forward(self) -> float:
@@ -70,21 +78,16 @@ class Profile:
         """Sum of the nodes' backward seconds."""
         return sum(t.backward for t in self.times.values())
 
-    def apply(self, graph: fx.Graph) -> None:
-        """Write ``node.meta["measured_time"]`` on the nodes of ``graph`` this profile timed.
-
-        Raises ValueError when no node name matches (the profile is of another model or
-        was traced with other plan settings).
-        """
+    def apply(self, graph: fx.Graph) -> int:
+        """Write ``node.meta["measured_time"]`` on the nodes of ``graph`` this profile timed
+        (matched by name: the same model traced with the same plan settings); returns how
+        many. Nodes it did not time are estimated with its calibration."""
         hits = 0
         for node in graph.nodes:
             if node.name in self.times:
                 node.meta[MEASURED] = self.times[node.name]
                 hits += 1
-        if self.times and not hits:
-            raise ValueError(
-                "the profile matches no node of this graph: profile the same model with the same plan"
-            )
+        return hits
 
 
 def profile(
@@ -116,6 +119,11 @@ def profile(
     traced = trace(
         model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args
     )
+    graph = traced.graph_module.graph
+    resolve_model = resolver(model, traced.root)
+    # the node costs on fake tensors, for the calibration: nothing runs, nothing changes
+    fake_run = propagate_shapes(traced.graph_module, traced.bind_inputs(example_inputs, kwargs), resolve_model)
+    annotate_costs(graph, resolve_model, fake_run)
     replica = copy.deepcopy(model).to(where)
     root = copy.deepcopy(traced.root).to(where)
 
@@ -133,7 +141,6 @@ def profile(
     inputs = [pytree.tree_map(to_device, v) for v in traced.bind_inputs(example_inputs, kwargs)]
     pieces, sizes = split(inputs, plan.microbatches)
     inputs, fraction = pieces[0], sizes[0] / sum(sizes)
-    graph = traced.graph_module.graph
     names = [n.name for n in graph.nodes if n.op in COMPUTE_OPS]
     forwards: dict[str, list[float]] = {name: [] for name in names}
     backwards: dict[str, list[float]] = {name: [] for name in names}
@@ -151,7 +158,8 @@ def profile(
         )
         for name in names
     }
-    return Profile(device, times)
+    samples = [(cost_of(n), times[n.name]) for n in graph.nodes if n.name in times]
+    return Profile(device, times, calibrate(DeviceModel.of(plan, device), samples))
 
 
 def _sync(device: torch.device) -> None:
