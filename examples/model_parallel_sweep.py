@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     # 1. the sweep: predict every count, then compile and time each candidate
     plan = fxpipe.Plan(devices=devices, split=["layer3"], schedule="1f1b", microbatches=1)
     counts = [int(c) for c in args.candidates.split(",")]
-    points = sweep(model, plan, (x,), loss_fn, target, candidates=counts, measure=counts, repeats=args.repeats)
+    points = sweep(model, plan, (x,), loss_fn, target, candidates=counts, measure=counts, repeats=args.repeats, schedules=[plan.schedule])
     best = best_microbatches(points)
     print(f"\nmicro-batch sweep (fxpipe.tune; fastest of {args.repeats} steps each):")
     print(f"{'micro-batches':>13}  {'split size':>10}  {'predicted':>10}  {'measured':>10}")

@@ -1,17 +1,19 @@
 """Benchmark: split="auto" against the usual baselines, the cost model's error, partitioner speed.
 
-For resnet50 and a transformer encoder stack, at 2 and 4 stages on logical CPU devices,
-it prints the measured step time (fastest of a few 1F1B steps) of
+For resnet50, a transformer encoder stack and a GPT-2-style LM (transformers'
+GPT2LMHeadModel, 12 layers of width 128, tied embeddings), at 2 and 4 stages on logical
+CPU devices, it prints the measured step time (median of interleaved 1F1B steps) of
   auto        the cost model's split (FLOP estimates): the exact min-max split, its cuts
               then moved while the simulated 1F1B step gets faster
-  auto+prof   the same with fxpipe.profile measurements
+  auto+prof   the same with fxpipe.profile measurements (per-node times in context and
+              the per-kind calibration)
   params      equal parameter counts per stage (DeepSpeed's partition_method="parameters")
   layers      equal numbers of compute nodes per stage (DeepSpeed's "uniform")
 with the predicted step time of each, then predicted vs measured forward+backward time
 per stage (error %), then the partitioner's run time on synthetic 10,000-node graphs, and
 a predicted-vs-measured micro-batch sweep plot.
 
-    .venv/bin/python examples/benchmarks/autosplit.py [--quick] [--parts partitioner resnet50 encoder sweep]
+    .venv/bin/python examples/benchmarks/autosplit.py [--quick] [--parts partitioner resnet50 encoder lm sweep]
         [--sizes 224 64] [--repeats 5] [--plot docs/img/tune-sweep.png]
 
 ResNet-50 runs at its standard 224x224 input and at 64x64, where compute shrinks 12x but
@@ -251,7 +253,23 @@ def partitioner_speed() -> None:
             )
 
 
-PARTS = ("partitioner", "resnet50", "encoder", "sweep")
+PARTS = ("partitioner", "resnet50", "encoder", "lm", "sweep")
+
+
+def gpt2_lm(layers: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object]:
+    """A GPT-2-style LM (tied embeddings), token ids, next-token targets and its loss."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=128, n_head=4, vocab_size=2048, n_positions=128, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    ids = torch.randint(0, 2048, (16, 64))
+
+    def loss(out, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+    return transformers.GPT2LMHeadModel(config), ids, torch.randint(0, 2048, (16, 64)), loss
 
 
 def main() -> None:
@@ -284,6 +302,10 @@ def main() -> None:
     if "encoder" in args.parts:
         for stages in (2, 4):
             compare("transformer encoder", encoder, ids, tt, loss, stages, repeats, microbatches=4)
+    if "lm" in args.parts:
+        lm, lm_ids, lm_target, lm_loss = gpt2_lm(4 if args.quick else 12)
+        for stages in (2, 4):
+            compare("GPT-2-style LM", lm, lm_ids, lm_target, lm_loss, stages, repeats, microbatches=4)
     if "sweep" in args.parts:
         print("\nmicro-batch sweep, transformer encoder, 2 stages (predicted for all, measured for some)")
         plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto")
