@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from fxpipe import format as fmt
 from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
-from fxpipe.estimates import in_flight, measured_device, play
+from fxpipe.estimates import in_flight, measured_device, plan_schedule, play
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
@@ -33,7 +33,7 @@ from fxpipe.passes.split_solver import (
     solve,
 )
 from fxpipe.plan import Plan, PlanError
-from fxpipe.schedules import make_schedule
+from fxpipe.schedules import Schedule, ScheduleError, describe_schedule, stage_workers
 
 # the exact min-max split gives way to the schedule-refined one only when the simulated
 # step is at least this much shorter: smaller gains are far below the model's error
@@ -55,15 +55,23 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
     for ``plan``: the exact min-max split, refined for the plan's schedule. ``calibration``
     (from ``fxpipe.profile``) rates the nodes the profile did not time.
 
-    One stage per entry of ``plan.devices`` (times ``plan.chunks``). Writes nothing on the
-    graph. Raises AnnotateError when there are fewer compute nodes than stages, PlanError
-    when no split fits the devices' memory (naming how much each stage would need on which
-    device).
+    One stage per entry of ``plan.devices`` (times ``plan.chunks``), each on the device of
+    the worker the plan's schedule runs it on. Writes nothing on the graph. Raises
+    AnnotateError when there are fewer compute nodes than stages, PlanError when the
+    schedule cannot run that many stages or no split fits the devices' memory (naming how
+    much each stage would need on which device).
     """
     num_stages = len(plan.devices or []) * plan.chunks
-    devices = [plan.devices[s % len(plan.devices)] for s in range(num_stages)]
-    models = stage_models(plan, devices, calibration)
     m = plan.microbatches
+    try:
+        actions = plan_schedule(plan, num_stages, m)
+    except ScheduleError as err:
+        raise PlanError(
+            f"split='auto' makes {num_stages} stage(s) (one per plan.devices entry, times chunks), which "
+            f"plan.schedule={describe_schedule(plan.schedule)} cannot run: {err}"
+        ) from err
+    devices = _stage_devices(plan, stage_workers(actions))
+    models = stage_models(plan, devices, calibration)
     compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(compute) < num_stages:
         raise AnnotateError(
@@ -72,13 +80,13 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         )
     order, cuts = ordered_problem_inputs(_dataflow(compute), compute)
     measured_on = measured_device(graph, plan, calibration)
-    fwd_bwd = torch.tensor(
-        [[mdl.node_times(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
+    phases = torch.tensor(
+        [[mdl.node_phases(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
         dtype=torch.float64,
-    )  # stages x nodes x (forward, backward)
+    )  # stages x nodes x (forward, input gradient, weight gradient)
     flight = in_flight(plan, num_stages)
     problem = SplitProblem(
-        item_time=fwd_bwd.sum(2),
+        item_time=phases.sum(2),
         cut_bytes=cuts,
         recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
         send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
@@ -92,7 +100,7 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         split = solve(problem)
     except SplitInfeasible as err:
         raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
-    step_time = _simulated_step(plan, models, fwd_bwd, cuts, num_stages)
+    step_time = _simulated_step(actions, m, models, phases, cuts)
     minmax_step = step_time(split.boundaries)
     bounds = refine(problem, split.boundaries, step_time)
     refined_step = step_time(bounds)
@@ -129,20 +137,27 @@ def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:
     return state
 
 
-def _simulated_step(plan: Plan, models: list[DeviceModel], fwd_bwd: torch.Tensor, cuts: list[float], num_stages: int) -> Callable[[list[int]], float]:
+def _stage_devices(plan: Plan, workers: list[int]) -> list[str]:
+    """Each stage's device: ``plan.devices`` lists one per stage, or one per worker of the
+    schedule (a stage runs on its worker's device), as the compiler places them."""
+    devices = list(plan.devices or [])
+    if len(devices) == len(workers):
+        return devices
+    return [devices[w % len(devices)] for w in workers]
+
+
+def _simulated_step(actions: Schedule, m: int, models: list[DeviceModel], phases: torch.Tensor, cuts: list[float]) -> Callable[[list[int]], float]:
     """``step_time(boundaries)``: the schedule's simulated step for a split of the ordered
-    nodes (per-node (forward, backward) seconds ``fwd_bwd``, bytes ``cuts`` across each cut)."""
-    m = plan.microbatches
-    actions = make_schedule(plan.schedule, num_stages, m, plan.chunks)
-    zero = torch.zeros(num_stages, 1, 2, dtype=torch.float64)
-    prefix = torch.cat([zero, fwd_bwd.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 2
+    nodes (per-node forward, I and W seconds ``phases``, bytes ``cuts`` across each cut)."""
+    num_stages = len(models)
+    zero = torch.zeros(num_stages, 1, 3, dtype=torch.float64)
+    prefix = torch.cat([zero, phases.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 3
 
     def step_time(bounds: list[int]) -> float:
         spans = [(prefix[k][bounds[k]], prefix[k][bounds[k + 1]]) for k in range(num_stages)]
         edge_bytes = {(k, k + 1): cuts[bounds[k + 1]] / m for k in range(num_stages - 1)}
-        fwd = [end[0] - start[0] for start, end in spans]
-        bwd = [end[1] - start[1] for start, end in spans]
-        return play(actions, models, fwd, bwd, edge_bytes).step_time
+        per_phase = [[end[p] - start[p] for start, end in spans] for p in range(3)]
+        return play(actions, models, *per_phase, edge_bytes).step_time
 
     return step_time
 

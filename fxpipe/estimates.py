@@ -22,7 +22,7 @@ from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.partition import Edge
 from fxpipe.plan import Plan
 from fxpipe.schedule_sim import simulate
-from fxpipe.schedules import Action, make_schedule
+from fxpipe.schedules import Action, Schedule, resolve_schedule
 from fxpipe.timeline import Timeline
 
 
@@ -63,13 +63,19 @@ class StageEstimate:
         return self.state_bytes + self.in_flight * self.activation_bytes
 
 
-def in_flight(plan: Plan, num_stages: int, microbatches: int | None = None) -> list[int]:
+def plan_schedule(plan: Plan, num_stages: int, microbatches: int, deps: Sequence[tuple[int, int]] | None = None) -> Schedule:
+    """The plan's schedule (a name, data or a function) for ``num_stages`` stages and
+    ``microbatches``; raises ScheduleError when it cannot run them."""
+    return resolve_schedule(plan.schedule, num_stages, microbatches, plan.chunks, deps)
+
+
+def in_flight(plan: Plan, num_stages: int, microbatches: int | None = None, deps: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """Per stage, the most micro-batches whose activations the schedule holds at once."""
     m = microbatches or plan.microbatches
     if plan.checkpoint:
         return [1] * num_stages
-    actions = make_schedule(plan.schedule, num_stages, m, plan.chunks)
-    peaks = simulate(actions, num_stages, 1.0, 2.0).peak_in_flight()
+    actions = plan_schedule(plan, num_stages, m, deps)
+    peaks = simulate(actions, num_stages, 1.0, 2.0, deps=deps).peak_in_flight()
     return [max(peaks.get(s, 1), 1) for s in range(num_stages)]
 
 
@@ -94,7 +100,7 @@ def estimate_stages(
     m = microbatches or plan.microbatches
     models = stage_models(plan, devices, calibration)
     measured_on = measured_device(graph, plan, calibration)
-    flight = in_flight(plan, len(devices), m)
+    flight = in_flight(plan, len(devices), m, _deps(edges))
     est = [StageEstimate(k, d, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, flight[k]) for k, d in enumerate(devices)]
     for node in graph.nodes:
         if EDGE in node.meta or node.meta.get(STAGE) is None or node.op in ("placeholder", "output"):
@@ -121,18 +127,25 @@ def play(
     actions: Sequence[Sequence[Action]],
     models: list[DeviceModel],
     forward: Sequence[float],
-    backward: Sequence[float],
+    input_grad: Sequence[float],
+    weight_grad: Sequence[float],
     edge_bytes: dict[tuple[int, int], float],
 ) -> Timeline:
-    """Simulate ``actions``: stage ``s``'s forward/backward seconds plus its device's
-    per-action latency, and ``edge_bytes[(src, dst)]`` per micro-batch sent between stages."""
+    """Simulate ``actions``: stage ``s``'s forward, input-gradient (I) and weight-gradient (W)
+    seconds (a whole backward, B, is I + W), each action plus its device's latency, and
+    ``edge_bytes[(src, dst)]`` per micro-batch sent between stages."""
+    def seconds(phases: Sequence[Sequence[float]]):
+        return lambda s, _: sum(p[s] for p in phases) + models[s].spec.latency
+
     return simulate(
         actions,
         len(models),
-        lambda s, _: forward[s] + models[s].spec.latency,
-        lambda s, _: backward[s] + models[s].spec.latency,
+        seconds([forward]),
+        seconds([input_grad, weight_grad]),
         lambda a, b, _: transfer_seconds(models, a, b, edge_bytes.get((a, b), edge_bytes.get((b, a), 0.0))),
         deps=sorted(edge_bytes),
+        input_time=seconds([input_grad]),
+        weight_time=seconds([weight_grad]),
     )
 
 
@@ -150,7 +163,12 @@ def predicted_timeline(
     sizes: dict[tuple[int, int], float] = {}
     for edge in edges:
         sizes[(edge.src, edge.dst)] = sizes.get((edge.src, edge.dst), 0.0) + edge.nbytes / m
-    actions = make_schedule(plan.schedule, len(devices), m, plan.chunks)
-    timeline = play(actions, stage_models(plan, devices), [e.forward for e in est], [e.backward for e in est], sizes)
+    actions = plan_schedule(plan, len(devices), m, _deps(edges))
+    models = stage_models(plan, devices, calibration)
+    timeline = play(actions, models, [e.forward for e in est], [e.input_grad for e in est], [e.weight_grad for e in est], sizes)
     timeline.activation_bytes = {e.index: int(e.activation_bytes) for e in est}
     return timeline
+
+
+def _deps(edges: Sequence[Edge]) -> list[tuple[int, int]]:
+    return sorted({(e.src, e.dst) for e in edges})

@@ -26,7 +26,14 @@ from torch import nn
 from fxpipe.cost_model import spec_for
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
-from fxpipe.schedules import SCHEDULES, ScheduleError, check_schedule, make_schedule
+from fxpipe.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    ScheduleSpec,
+    describe_schedule,
+    resolve_schedule,
+    stage_workers,
+)
 
 
 @dataclass
@@ -39,7 +46,7 @@ class TunePoint:
     predicted_memory: float
     fits: bool
     measured_step: float | None = None
-    schedule: str = "1f1b"
+    schedule: ScheduleSpec = "1f1b"
 
 
 def _batch_size(example_inputs: tuple) -> int:
@@ -65,20 +72,23 @@ def sweep(
     repeats: int = 3,
     example_kwargs: Mapping[str, Any] | None = None,
     profile: Any = None,
-    schedules: Sequence[str] | None = None,
+    schedules: Sequence[ScheduleSpec] | None = None,
 ) -> list[TunePoint]:
     """Predict every candidate (schedule, micro-batch count) and measure a few; one
     TunePoint each, in schedule then count order.
 
     candidates: counts to predict (default 1 up to the batch size, at most 64);
-    schedules: schedules to predict (default every built-in schedule that runs the plan's
-    stages and chunks); measure: how many of the best predicted pairs that fit to compile
-    and time, or the exact counts to time (under the plan's schedule); repeats: timed steps
-    per measured pair (the fastest is kept, after one warm-up step), each on the split that
-    was predicted. The model is never changed: the measured pipelines run on copies of the
-    stages. ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError
-    for counts above the batch size or a schedule that cannot run the plan's stages, and
-    what ``fxpipe.partition`` raises.
+    schedules: schedules to predict (default the plan's and every built-in schedule that
+    runs its stages on the same workers); measure: how many of the best predicted pairs
+    that fit to compile and time, or the exact counts to time (under the plan's schedule);
+    repeats: timed steps per measured pair (the fastest is kept, after one warm-up step),
+    each on the split that was predicted. Schedules that split the backward into I and W
+    (zero bubble) are predicted and run on a partition compiled for them (its stages defer
+    weight gradients). The model is never changed: the measured pipelines run on copies of
+    the stages (a default candidate whose own partition does not fit is left out).
+    ``loss_fn(output, target)`` defaults to the mean of the outputs. Raises PlanError for
+    counts above the batch size or a schedule that cannot run the plan's stages, and what
+    ``fxpipe.partition`` raises.
     """
     from fxpipe.compiler import build_pipeline, partition
 
@@ -89,53 +99,90 @@ def sweep(
     counts = sorted(set(candidates or range(1, min(batch, 64) + 1)))
     if counts[0] < 1 or counts[-1] > batch:
         raise PlanError(f"tune candidates must lie in 1..{batch} (the example batch size), got {counts}")
-    part = partition(model, plan, example_inputs, example_kwargs, profile)
-    names = list(schedules) if schedules is not None else _runnable_schedules(part, plan)
-    limits = [spec_for(plan, d).memory for d in part.devices]
+    base = partition(model, plan, example_inputs, example_kwargs, profile)
+    specs = list(schedules) if schedules is not None else _runnable_schedules(base, plan)
+    # one partition per kind of backward: the plan's, and one compiled for the other kind
+    parts = {_splits_backward(plan.schedule, base, plan): base}
+
+    def partition_for(spec: ScheduleSpec) -> Any:
+        split = _splits_backward(spec, base, plan)
+        if split not in parts:
+            try:
+                parts[split] = partition(model, plan.replace(schedule=spec), example_inputs, example_kwargs, profile)
+            except PlanError:
+                if schedules is not None:
+                    raise
+                parts[split] = None  # a default candidate that cannot be planned (memory): left out
+        return parts[split]
+
+    limits = [spec_for(plan, d).memory for d in base.devices]
     points = []
-    for name in names:
+    runs: dict[int, Any] = {}  # id of a point -> the Partitioned it predicted
+    for spec in specs:
+        part = partition_for(spec)
+        if part is None:
+            continue
         for m in counts:
             # the split that was partitioned, under another schedule and count (split="auto"
             # would otherwise re-split for each, and the measurement would not be of the prediction)
-            at = dataclasses.replace(part, plan=_with_schedule(plan, name, m, part.num_stages))
+            at = dataclasses.replace(part, plan=_with_schedule(plan, spec, m, part))
             estimates = at.estimates()
             memory = max(e.memory for e in estimates)
             fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
-            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=name))
+            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=spec))
+            runs[id(points[-1])] = at
     if isinstance(measure, int):
         ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
-        timed = {(p.schedule, p.microbatches) for p in ranked[:measure]}
+        timed = {id(p) for p in ranked[:measure]}
     else:
-        timed = {(plan.schedule, m) for m in measure}
+        timed = {id(p) for p in points if p.schedule is plan.schedule and p.microbatches in set(measure)}
     loss_fn = loss_fn or _mean_loss
     for point in points:
-        if (point.schedule, point.microbatches) in timed:
+        if id(point) in timed:
             # the pipeline places copies of the stages, so the model is not changed
-            at = dataclasses.replace(part, plan=plan.replace(schedule=point.schedule, microbatches=point.microbatches))
-            pipe = build_pipeline(at, model, loss_fn)
+            pipe = build_pipeline(runs[id(point)], model, loss_fn)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
 
 
-def _runnable_schedules(part: Any, plan: Plan) -> list[str]:
-    """The built-in schedules that run ``part``'s stages with the plan's chunks."""
-    runnable = []
+def _runnable_schedules(part: Any, plan: Plan) -> list[ScheduleSpec]:
+    """The plan's schedule, then every other built-in schedule that runs ``part``'s stages
+    on the workers they were placed for."""
+    runnable: list[ScheduleSpec] = [plan.schedule]
     for name in SCHEDULES:
+        if name == plan.schedule:
+            continue
         try:
-            check_schedule(make_schedule(name, part.num_stages, 1, plan.chunks), part.num_stages, 1)
+            actions = resolve_schedule(name, part.num_stages, 1, plan.chunks, part.deps)
         except ScheduleError:
             continue
-        runnable.append(name)
+        if stage_workers(actions) == part.stage_workers:
+            runnable.append(name)
     return runnable
 
 
-def _with_schedule(plan: Plan, schedule: str, microbatches: int, num_stages: int) -> Plan:
-    """``plan`` under another schedule and count; raises PlanError when they cannot run."""
+def _splits_backward(spec: ScheduleSpec, part: Any, plan: Plan) -> bool:
+    """Whether ``spec`` runs input- and weight-gradient actions (I, W) apart."""
     try:
-        make_schedule(schedule, num_stages, microbatches, plan.chunks)
+        actions = resolve_schedule(spec, part.num_stages, plan.microbatches, plan.chunks, part.deps)
+    except ScheduleError:
+        return False
+    return any(a.op in ("I", "W") for todo in actions for a in todo)
+
+
+def _with_schedule(plan: Plan, spec: ScheduleSpec, microbatches: int, part: Any) -> Plan:
+    """``plan`` under another schedule and count; raises PlanError when they cannot run
+    ``part``'s stages where it placed them."""
+    try:
+        actions = resolve_schedule(spec, part.num_stages, microbatches, plan.chunks, part.deps)
     except ScheduleError as err:
-        raise PlanError(f"tune: schedule {schedule!r} cannot run this partition: {err}") from err
-    return plan.replace(schedule=schedule, microbatches=microbatches)
+        raise PlanError(f"tune: schedule {describe_schedule(spec)} cannot run this partition with {microbatches} micro-batch(es): {err}") from err
+    if stage_workers(actions) != part.stage_workers:
+        raise PlanError(
+            f"tune: schedule {describe_schedule(spec)} puts the stages on workers {stage_workers(actions)}, "
+            f"but the partition placed them for workers {part.stage_workers}; tune schedules with the same placement"
+        )
+    return plan.replace(schedule=spec, microbatches=microbatches)
 
 
 def _time_step(pipe: Any, args: tuple, kwargs: Mapping[str, Any], target: Any, repeats: int) -> float:
@@ -193,9 +240,9 @@ def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    schedules = list(dict.fromkeys(p.schedule for p in points))
+    schedules = list(dict.fromkeys(describe_schedule(p.schedule) for p in points))
     for name in schedules:
-        own = [p for p in points if p.schedule == name]
+        own = [p for p in points if describe_schedule(p.schedule) == name]
         label = f"predicted, {name}" if len(schedules) > 1 else "predicted"
         line = ax.plot([p.microbatches for p in own], [p.predicted_step * 1e3 for p in own], "-", label=label)[0]
         measured = [p for p in own if p.measured_step is not None]

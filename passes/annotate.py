@@ -274,8 +274,8 @@ def annotate_by_anchors(graph: fx.Graph, stage_anchors: Sequence[Anchor], reason
     """Stages of another trace cut where :func:`anchors` found them: stage k begins at the
     node matching ``stage_anchors[k - 1]`` and runs to the next one, in program order.
 
-    Placeholders are stage 0, ``get_attr`` nodes go with their first user, the output with
-    the last stage. ``reasons`` (one per stage) default to naming the anchor. Returns the
+    Placeholders are stage 0, ``get_attr`` nodes and nodes without inputs go with their
+    first user, the output with the last stage (the rule every split shares). ``reasons`` (one per stage) default to naming the anchor. Returns the
     StageAssignment. Raises AnnotateError naming the anchor this graph lacks, or the two
     anchors it finds out of order.
     """
@@ -298,19 +298,7 @@ def annotate_by_anchors(graph: fx.Graph, stage_anchors: Sequence[Anchor], reason
             raise AnnotateError(f"stage {k + 1} begins at {stage_anchors[k]}, before stage {k}'s {stage_anchors[k - 1]} in this trace")
     num_stages = len(stage_anchors) + 1
     reasons = list(reasons) if reasons is not None else ["before the first anchor"] + [f"begins at {a}" for a in stage_anchors]
-    stage = 0
-    for k, node in enumerate(graph.nodes):
-        while stage < len(order) and k >= order[stage]:
-            stage += 1
-        if node.op in COMPUTE_OPS:
-            node.meta[STAGE], node.meta[REASON] = stage, reasons[stage]
-    for node in reversed(graph.nodes):
-        if node.op == "placeholder":
-            node.meta[STAGE], node.meta[REASON] = 0, "model input"
-        elif node.op == "get_attr":
-            node.meta[STAGE] = min((u.meta[STAGE] for u in node.users if u.meta.get(STAGE) is not None), default=0)
-            node.meta[REASON] = "parameter/constant: with its first user"
-        elif node.op == "output":
-            node.meta[STAGE], node.meta[REASON] = num_stages - 1, "model output"
+    _assign_from_starts(list(graph.nodes), order, reasons)
+    _fix_sources(graph)
     _check_nonempty(graph, num_stages, "the anchors")
     return StageAssignment(num_stages, None, reasons)

@@ -318,3 +318,24 @@ def test_profile_calibration_brings_estimates_closer_to_measured(one_thread) -> 
         if error["calibrated"] < min(error["nominal"], math.log(2.5)):
             break
     assert errors[-1]["calibrated"] < min(errors[-1]["nominal"], math.log(2.5)), errors
+
+
+def test_zero_bubble_prediction_runs_i_and_w_with_their_own_times() -> None:
+    """predicted_timeline gives I and W actions the stage's predicted input- and
+    weight-gradient seconds, so zb-h1's smaller bubble shows before anything runs."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)])
+    plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(4)], split=["2", "4", "6"], schedule="zb-h1", microbatches=8)
+    part = fxpipe.partition(model, plan, example_inputs=(torch.randn(64, 256),))
+    timeline, estimates = part.simulate(), part.estimates()
+    latency = DeviceModel.of(plan, "cpu:0").spec.latency
+    assert {e.op for e in timeline.events} == {"F", "I", "W"}
+    for event in timeline.events:
+        est = estimates[event.stage]
+        expected = {"F": est.forward, "I": est.input_grad, "W": est.weight_grad}[event.op] + latency
+        assert event.end - event.start == pytest.approx(expected)
+    one_f_one_b = dataclasses.replace(part, plan=plan.replace(schedule="1f1b")).simulate()
+    assert timeline.step_time < one_f_one_b.step_time
+    assert timeline.bubble_fraction < one_f_one_b.bubble_fraction
