@@ -3,7 +3,7 @@
 The compiler names each phase it enters (``phase``) and passes a ``nodes(done, total)``
 callback to the passes that walk the graph. A quiet thread redraws one line on a terminal
 once the compile has run ``after`` seconds (``fxpipe: compiling GPT2LMHeadModel: costs
-3200/10000 nodes, 4.1 s``); elsewhere (logs, CI) one summary line with each phase's time
+3200/10000 nodes, 4.10 s``); elsewhere (logs, CI) one summary line with each phase's time
 is written at the end, and only for a compile that took ``after`` seconds or more.
 ``FXPIPE_PROGRESS=0`` in the environment silences both.
 """
@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 from typing import TextIO
+
+from fxpipe import format as fmt
 
 QUIET_BELOW = 2.0  # seconds: a compile shorter than this prints nothing
 
@@ -56,9 +58,9 @@ class Progress:
         if not self.enabled or elapsed < self.after and not self._shown:
             return
         if value is not None:
-            line = f"fxpipe: compiling {self.what} failed in {self._phase_name()} after {elapsed:.1f} s"
+            line = f"fxpipe: compiling {self.what} failed in {self._phase_name()} after {fmt.seconds(elapsed)}"
         else:
-            line = f"fxpipe: compiled {self.what} in {elapsed:.1f} s ({self._breakdown(elapsed)})"
+            line = f"fxpipe: compiled {self.what} in {fmt.seconds(elapsed)} ({self._breakdown(elapsed)})"
         self._write(line, final=True)
 
     def phase(self, name: str) -> None:
@@ -76,7 +78,7 @@ class Progress:
 
     def _breakdown(self, elapsed: float) -> str:
         ends = [at for _, at in self._phases[1:]] + [self._start + elapsed]
-        return ", ".join(f"{name} {end - at:.1f} s" for (name, at), end in zip(self._phases, ends))
+        return ", ".join(f"{name} {fmt.seconds(end - at)}" for (name, at), end in zip(self._phases, ends))
 
     def _redraw(self) -> None:
         while not self._stop.wait(self.every):
@@ -87,7 +89,7 @@ class Progress:
                 where = self._phase_name()
                 if self._total:
                     where += f" {self._done}/{self._total} nodes"
-            self._write(f"fxpipe: compiling {self.what}: {where}, {elapsed:.1f} s", final=False)
+            self._write(f"fxpipe: compiling {self.what}: {where}, {fmt.seconds(elapsed)}", final=False)
 
     def _write(self, line: str, final: bool) -> None:
         if self.tty:

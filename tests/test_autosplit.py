@@ -196,3 +196,18 @@ def test_auto_split_places_stages_with_the_annotate_rule(monkeypatch) -> None:
         if node.op == "placeholder":
             assert node.meta["stage"] == 0
     assert [s.reason.startswith("cost model") for s in part.stages] == [True] * 3
+
+
+def test_auto_split_follows_the_schedules_placement_of_stages() -> None:
+    """zb-v puts stages 0 and 3 on worker 0 and stages 1 and 2 on worker 1 (a V): with a
+    slow CPU as worker 0's device and a fast GPU as worker 1's, the GPU stages get the work."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
+    plan = fxpipe.Plan(
+        devices=["cpu", "gpu:0"], chunks=2, schedule="zb-v", split="auto", microbatches=8,
+        device_specs={"cpu": fxpipe.DeviceSpec(flops=1e9, memory=64e9, bandwidth=10e9), "cuda:0": fxpipe.DeviceSpec(flops=1e12, memory=16e9, bandwidth=25e9)},
+    )
+    part = fxpipe.partition(model, plan, example_inputs=(torch.randn(32, 64),))
+    assert part.devices == ["cpu", "cuda:0", "cuda:0", "cpu"]
+    assert [f"on {d}" in s.reason for s, d in zip(part.stages, part.devices)] == [True] * 4
+    nodes = [s.num_nodes for s in part.stages]
+    assert nodes[1] + nodes[2] > 4 * (nodes[0] + nodes[3])
