@@ -12,8 +12,9 @@ running an op on fake tensors costs about as much Python as a small real op. So 
 compute node gets a *key*: what it computes (function, method name, or the called module's
 class, configuration and parameter shapes) and the shapes, strides, dtypes, devices and
 ``requires_grad`` of its inputs, with constants by value. The first node with a key runs on
-fake tensors and leaves an :class:`OutputTemplate`; every later node with that key gets new
-fake tensors built from the template, without running anything. Templates also record where
+fake tensors and leaves an :class:`OutputTemplate`; every later node with that key (under
+the same grad mode and autocast) gets new fake tensors built from the template, without
+running anything. Templates also record where
 each output's memory comes from (new, a view of an input, the input itself written in
 place), which the cost pass needs and storage identity alone would no longer tell.
 
@@ -134,6 +135,7 @@ class FakeReplay:
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, fake)
         self._signatures: dict[int, tuple[Any, Hashable]] = {}  # id(module) -> (module, signature)
         self._made: set[int] = set()  # ids of template-built leaves that require grad
+        self._context: Hashable = ()  # grad mode and autocast of the current run
 
     def run(
         self,
@@ -148,6 +150,8 @@ class FakeReplay:
         every 64 nodes. Raises what a node raises on fake tensors, with a note naming it.
         """
         resolve = resolve or resolver(gm)
+        # a template holds for the grad mode and autocast it was made under
+        self._context = (torch.is_grad_enabled(), *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
         nodes = list(gm.graph.nodes)
         pending = iter(inputs)
         output = None
@@ -210,19 +214,27 @@ class FakeReplay:
     # ------------------------------------------------------------------ internals
     def _placeholder(self, node: fx.Node, pending: Any) -> Any:
         if str(node.target).startswith("*"):
-            return self.fake(list(pending))
+            return pytree.tree_map_only(torch.Tensor, self._input, list(pending))
         try:
-            return self.fake(next(pending))
+            return pytree.tree_map_only(torch.Tensor, self._input, next(pending))
         except StopIteration:
             if node.args:
                 return node.args[0]
             raise TypeError(f"fake replay: no input given for placeholder {node.name!r}") from None
 
+    def _input(self, t: torch.Tensor) -> torch.Tensor:
+        """A model input's fake. A real one keeps what a graph may check of it (export's
+        guards read a view's ``_base``); one faked elsewhere or moved to the replay's device
+        keeps its metadata."""
+        if self.device is None and not isinstance(t, FakeTensor):
+            return self.mode.from_tensor(t, static_shapes=True)
+        return self.fake_like(t)
+
     def _compute(self, node: fx.Node, resolve: Callable[[str], Any]) -> Any:
         args = fx.map_arg(node.args, self.values.__getitem__)
         kwargs = fx.map_arg(node.kwargs, self.values.__getitem__)
         tensors: list[torch.Tensor] = []
-        key = (self._target(node, resolve), _describe(args, tensors), _describe(kwargs, tensors))
+        key = (self._context, self._target(node, resolve), _describe(args, tensors), _describe(kwargs, tensors))
         self.keys[node] = key
         template = self._memo.get(key)
         if template is not None:

@@ -109,3 +109,20 @@ def test_a_failing_node_is_named() -> None:
     with pytest.raises(RuntimeError) as info:
         replay(gm, [torch.randn(3, 4)])
     assert any("node 'matmul'" in note for note in getattr(info.value, "__notes__", ["node 'matmul'"]))
+
+
+def test_one_replay_serves_runs_under_other_autocast_and_grad_modes() -> None:
+    """Templates hold for the grad mode and autocast they were made under: a replay object
+    reused for another signature (as the distributed specs do) never hands one's dtypes or
+    requires_grad to the other."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    gm = fx.symbolic_trace(model)
+    fake_run = FakeReplay()
+    out = fake_run.run(gm, [torch.randn(2, 8)])
+    assert out.dtype == torch.float32 and out.requires_grad
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fake_run.run(gm, [torch.randn(2, 8)])
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        out = fake_run.run(gm, [torch.randn(2, 8)])
+    assert out.dtype == torch.float32 and not out.requires_grad
