@@ -117,9 +117,9 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
     if refined:
         reasons[0] += (
             f"; cuts moved from the min-max split (slowest stage {fmt.seconds(split.bottleneck)}, step "
-            f"{fmt.seconds(minmax_step)}) to the predicted best {plan.schedule} step with {m} micro-batches ({fmt.seconds(refined_step)})"
+            f"{fmt.seconds(minmax_step)}) to the predicted best {describe_schedule(plan.schedule)} step with {m} micro-batches ({fmt.seconds(refined_step)})"
         )
-    how = "cost model: min-max split" + (f", refined for the {plan.schedule} schedule" if refined else "")
+    how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
     return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
 
 

@@ -135,7 +135,7 @@ def sweep(
         ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
         timed = {id(p) for p in ranked[:measure]}
     else:
-        timed = {id(p) for p in points if p.schedule is plan.schedule and p.microbatches in set(measure)}
+        timed = {id(p) for p in points if p.schedule == plan.schedule and p.microbatches in set(measure)}
     loss_fn = loss_fn or _mean_loss
     for point in points:
         if id(point) in timed:
