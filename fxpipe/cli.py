@@ -37,6 +37,10 @@ examples:
 """
 
 
+# fxpipe.schedules.SCHEDULES, spelled out: importing fxpipe would cost --help a second (a test keeps them equal)
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+
+
 class CommandError(Exception):
     """A command-line value fxpipe cannot use; the message says what to write instead."""
 
@@ -135,8 +139,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--split", metavar="HOW",
                       help="tags (device_guard blocks), auto (cost model) or comma-separated module paths where stages "
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
-    plan.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default="1f1b",
-                      help="pipeline schedule; default 1f1b")
+    plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
+                      help="pipeline schedule (zb-v runs with --chunks 2); default 1f1b")
     plan.add_argument("--microbatches", type=_positive, default=4, metavar="M",
                       help="micro-batches per step (the batch is cut along dim 0); default 4")
     plan.add_argument("--chunks", type=_positive, default=1, metavar="V",

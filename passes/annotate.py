@@ -14,7 +14,6 @@ split points A list of module paths: a new stage begins at the first node create
              each listed module (or one of its children), in program order.
 cuts         A list of nodes: a new stage begins at each, in program order (the cuts
              ``split="auto"`` chose with the cost model).
-even         ``num_stages`` contiguous runs with the same number of compute nodes.
 anchors      Another trace of the model (another input signature) cut where :func:`anchors`
              found the stages of a first one (each stage's first compute node, named by
              module path, op and occurrence), so a ``split="auto"`` cut never moves.
@@ -115,25 +114,6 @@ def annotate_by_cuts(graph: fx.Graph, starts: Sequence[fx.Node], reasons: Sequen
     _check_nonempty(graph, len(starts) + 1, how)
     return StageAssignment(len(starts) + 1, None, list(reasons))
 
-
-def annotate_evenly(graph: fx.Graph, num_stages: int) -> StageAssignment:
-    """``num_stages`` contiguous stages with equal numbers of compute nodes."""
-    compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
-    if num_stages > len(compute):
-        raise AnnotateError(
-            f"{num_stages} stages asked for but the graph has only {len(compute)} compute nodes; "
-            "use fewer devices (plan.devices) or chunks"
-        )
-    stage = 0
-    seen = 0
-    for node in graph.nodes:
-        if node.op in COMPUTE_OPS:
-            stage = min(seen * num_stages // len(compute), num_stages - 1)
-            seen += 1
-        node.meta[STAGE] = stage
-        node.meta[REASON] = "even split by node count"
-    _fix_sources(graph)
-    return StageAssignment(num_stages, None, ["even split by node count"] * num_stages)
 
 
 def single_stage(graph: fx.Graph) -> StageAssignment:

@@ -183,7 +183,22 @@ class FakeReplay:
             return entry[1]
         if isinstance(value, list | tuple | dict):
             return pytree.tree_map_only(torch.Tensor, self.fake, value)
+        if isinstance(value, torch.nn.Module) and self.device is not None and any(t.is_meta for _, t in _module_tensors(value)):
+            return self._faked_module(value)
         return value
+
+    def _faked_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A copy of a module handed to a function as a value (a keyed-randomness scope's
+        callee) whose meta tensors are this replay's fakes on its device (one copy per module)."""
+        entry = self._fakes.get(id(module))
+        if entry is None:
+            memo: dict[int, Any] = {}
+            for _, t in _module_tensors(module):
+                fake = self.fake(t)
+                memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+            entry = (module, copy.deepcopy(module, memo))
+            self._fakes[id(module)] = entry
+        return entry[1]
 
     def fake_like(self, t: torch.Tensor, requires_grad: bool | None = None) -> torch.Tensor:
         """A new fake tensor with ``t``'s shape, strides, dtype and device (the replay's

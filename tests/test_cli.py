@@ -124,3 +124,9 @@ def test_targets_fit_the_loss_and_the_output_shape():
     assert cli.make_target("output", None, generator) is None
     with pytest.raises(cli.CommandError, match="--loss output"):
         cli.make_target("mse", (torch.empty(1),), generator)
+
+
+def test_schedule_choices_are_every_schedule() -> None:
+    from fxpipe.schedules import SCHEDULES
+
+    assert cli.SCHEDULE_CHOICES == SCHEDULES

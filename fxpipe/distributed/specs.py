@@ -4,7 +4,8 @@ A rank receives a value by posting ``irecv`` into buffers of the right shape and
 so both ends must agree on them without asking each other. Every rank holds a *skeleton*
 of every stage (the stage module with its parameters and buffers on the ``meta``
 device: no memory) and runs the whole pipeline once on fake tensors for a micro-batch's
-input signature. That gives, for every edge, the pytree of the value it carries: tensor
+input signature, with the compiler's fake replay (``fxpipe.passes.fake_replay``: a layer
+repeated across stages runs once). That gives, for every edge, the pytree of the value it carries: tensor
 leaves become :class:`LeafSpec` (shape, dtype, whether a gradient flows back) and
 non-tensor leaves (None, Python numbers, strings) are kept as the values themselves, so
 they never travel. The result is cached per signature: another batch size or the short
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpipe.passes.fake_replay import FakeReplay
 
 
 class SignatureError(RuntimeError):
@@ -114,19 +116,15 @@ def derive_edge_specs(
     values: dict[int, Any] = {}
     last_sender = max((s for s, sends in enumerate(send_edges) if sends), default=-1)
     autocast_applied = autocast.applied() if autocast is not None else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.set_grad_enabled(train), autocast_applied:
-        flat = pytree.tree_map_only(torch.Tensor, _fake_like, inputs)
+    # one replay for every stage: a layer repeated across stages runs on fake tensors once
+    fake_run = FakeReplay(device="cpu")
+    with torch.set_grad_enabled(train), autocast_applied:
         for s in range(last_sender + 1):
-            args = list(flat) if s == 0 else []
+            args = list(inputs) if s == 0 else []
             args += [values[e] for e in recv_edges[s]]
             args += list(extras[s]) if extras is not None else []
-            state = {
-                name: _fake_param(t)
-                for name, t in list(skeletons[s].named_parameters(remove_duplicate=False))
-                + list(skeletons[s].named_buffers(remove_duplicate=False))
-            }
             try:
-                out = torch.func.functional_call(skeletons[s], state, tuple(args), strict=False, tie_weights=True)
+                out = fake_run.run(skeletons[s], args)
             except Exception as err:
                 raise SignatureError(
                     f"stage {s} cannot run on fake tensors for this input signature, so the shapes it "
@@ -135,13 +133,3 @@ def derive_edge_specs(
             for k, edge in enumerate(send_edges[s]):
                 values[edge] = out[k]
     return {edge: value_spec(v) for edge, v in values.items()}
-
-
-def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    return fake.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else fake
-
-
-def _fake_param(t: torch.Tensor) -> torch.Tensor:
-    fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    return fake.requires_grad_(t.requires_grad) if t.requires_grad else fake
