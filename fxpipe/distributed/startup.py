@@ -30,6 +30,8 @@ import hashlib
 import itertools
 import json
 import os
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,6 +63,8 @@ def join(timeout: float) -> Watchdog:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     host = None if agent else 0
     try:
+        if host != rank:
+            _reachable(address, port, timeout)
         store = dist.TCPStore(
             address, port, world, is_master=host == rank, timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False, multi_tenant=True,
@@ -73,6 +77,21 @@ def join(timeout: float) -> Watchdog:
             host,
         ) from err
     return Watchdog(store, prefix, rank, world, timeout, store_host=host)
+
+
+def _reachable(address: str, port: int, timeout: float) -> None:
+    """Return once ``address:port`` accepts a connection; raise TimeoutError after ``timeout``
+    seconds. (TCPStore's own client retries each attempt for the whole timeout, so a store
+    that never comes fails only after about twice the timeout, with C++ stack traces.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing accepted a connection: {err}") from err
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
