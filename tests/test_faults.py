@@ -28,6 +28,7 @@ import torch
 from conftest import assert_grads_match, eager_microbatch_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_runtime import mlp
 from torch import nn
 
 import fxpipe
@@ -44,13 +45,6 @@ CE = nn.CrossEntropyLoss()
 LAUNCH_TIMEOUT = 120
 TIMEOUT = 5.0  # Plan.timeout of the distributed cases
 SLACK = grid.SLACK
-
-
-def mlp(width: int = 16, depth: int = 4, classes: int = 3) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
 def devices(n: int) -> list[str]:

@@ -19,8 +19,9 @@ hosts, or rank 0's), under a prefix per pipeline. Three things go through it:
 Blame is exact because every wait says whom it waits for: a receive names its peer rank
 and the stage whose output it needs, a collective its group. A rank that is alive and
 waiting passes the blame on; the first rank in the chain that runs (for longer than the
-timeout) or is silent is the culprit, with the stage it runs, or the stage the chain
-waited on (a dead rank cannot say what it was doing; its last state may be a moment old).
+timeout) or is silent is the culprit, with the stage it runs or, for a silent rank, the
+stage it was last seen on (a rank publishes a move to another stage before it starts
+there; within a stage its last state may be a moment old).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fxpipe.distributed.heartbeat import _BEAT, Beacon, Doing, read_states
+from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
 from fxpipe.distributed.signing import publish_first, read_verified, sign, verify
 
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
@@ -93,6 +94,7 @@ class Watchdog:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._beacon = Beacon(store, f"{prefix}state/{rank}")
+        self._stage: int | None = None  # the stage of the last action published
 
     def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
         """Name ranks by their stages from now on: ``where(rank, stage)`` describes rank's
@@ -107,8 +109,16 @@ class Watchdog:
     # ---------------------------------------------------------------- state
     def running(self, what: str, stage: int | None = None) -> None:
         """This rank now computes ``what`` (an action such as ``F2:3``, of ``stage``; or a
-        phase of start-up such as ``compiling``)."""
-        self._beacon.set(Doing("running", what, stage))
+        phase of start-up such as ``compiling``).
+
+        A move to another stage is published at once: a rank that dies is named with the
+        stage it was on, which for a rank holding several stages (interleaved schedules)
+        the other ranks cannot tell otherwise. Within a stage, the heartbeat thread
+        publishes the change a moment later.
+        """
+        self._beacon.set(Doing("running", what, stage), now=stage is not None and stage != self._stage)
+        if stage is not None:
+            self._stage = stage
 
     @property
     def activity(self) -> str:
@@ -126,7 +136,7 @@ class Watchdog:
         is the culprit first, then the one running longest.
         """
         first = read_states(self.store, self.prefix, self.world)
-        time.sleep(2.5 * _BEAT)
+        time.sleep(2.5 * BEAT)
         second = read_states(self.store, self.prefix, self.world)
         silent = {
             r for r in range(self.world)
@@ -152,18 +162,20 @@ class Watchdog:
                 continue
             frontier += [(q, s) for q, s in state["waits"] if q != self.rank]
         for r in [r for r in seen if r in silent]:
+            # its last published stage is exact (a rank publishes a move to another stage
+            # before it starts there); else the stage the chain waited on from it
             state = second.get(r) or first.get(r)
-            awaited = [s for s in via[r] if s is not None]
-            stage = awaited[0] if len(set(awaited)) == 1 else (state or {}).get("stage")
+            awaited = {s for s in via[r] if s is not None}
+            stage = (state or {}).get("stage")
             if stage is None:
-                stage = self.first_stage(r)
+                stage = awaited.pop() if len(awaited) == 1 else self.first_stage(r)
             if state is None:
                 why = f"{self._name(r, stage)} never published its state: it did not start, or died before joining"
             else:
                 why = f"{self._name(r, stage)} stopped responding (last seen {state['phase']} {state['what']}): it died or is stuck"
             return r, stage, why
         if running:
-            _, r, stage, why = max(running)
+            _, r, stage, why = max(running, key=lambda found: found[0])
             return r, stage if stage is not None else self.first_stage(r), why
         return None
 
@@ -335,7 +347,7 @@ class Watchdog:
         if failure is not None:
             return failure
         first = read_states(self.store, self.prefix, self.world)
-        time.sleep(2.5 * _BEAT)
+        time.sleep(2.5 * BEAT)
         second = read_states(self.store, self.prefix, self.world)
         r = missing[0]
         state = second[r]

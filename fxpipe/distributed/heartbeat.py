@@ -4,7 +4,7 @@ Each rank's :class:`Beacon` holds its current :class:`Doing` (running an action 
 or waiting, and then for which ranks and which of their stages) and a thread of its own
 publishes it under ``{prefix}state/{rank}``: at once when it changes (at most every
 ``_MIN_GAP`` seconds, so a fast loop of actions costs one store write per gap) and every
-``_BEAT`` seconds regardless, with a counter that advances on every write. The thread keeps
+``BEAT`` seconds regardless, with a counter that advances on every write. The thread keeps
 beating while the rank computes or sleeps in a C call; it stops when the process dies or
 holds the interpreter. A reader tells the three apart by reading twice (:func:`read_states`).
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from fxpipe.distributed.signing import sign, verify
 
-_BEAT = 0.5  # seconds between a rank's writes when nothing changes
+BEAT = 0.5  # seconds between a rank's writes when nothing changes
 _MIN_GAP = 0.02  # seconds between two writes at least
 
 
@@ -47,41 +47,52 @@ class Beacon:
 
     def __init__(self, store: Any, key: str) -> None:
         self.doing = Doing("running", "set-up")
+        self._store = store
+        self._key = key
+        self._count = 0
+        self._lock = threading.Lock()
         self._changed = threading.Event()
-        self._thread = threading.Thread(
-            target=_publish, args=(weakref.ref(self), self._changed, store, key), name="fxpipe-heartbeat", daemon=True
-        )
+        self._thread = threading.Thread(target=_publish, args=(weakref.ref(self), self._changed), name="fxpipe-heartbeat", daemon=True)
         self._thread.start()
 
-    def set(self, doing: Doing) -> None:
-        """Make ``doing`` this rank's state; the thread publishes it within ``_MIN_GAP``."""
+    def set(self, doing: Doing, now: bool = False) -> None:
+        """Make ``doing`` this rank's state. The thread publishes it within ``_MIN_GAP``;
+        ``now``: publish it before returning (one store write, a few microseconds), for a
+        state that must be known even if the process dies right after."""
         self.doing = doing
-        self._changed.set()
+        if now:
+            self.write()
+        else:
+            self._changed.set()
 
-    def record(self, count: int) -> str:
+    def write(self) -> bool:
+        """Publish the current state; False when the store is gone."""
         d = self.doing
-        return json.dumps(
-            {"n": count, "phase": d.phase, "what": d.what, "stage": d.stage, "waits": d.waits, "elapsed": time.monotonic() - d.since}
-        )
+        with self._lock:
+            record = json.dumps(
+                {"n": self._count, "phase": d.phase, "what": d.what, "stage": d.stage, "waits": d.waits, "elapsed": time.monotonic() - d.since}
+            )
+            self._count += 1
+        try:
+            self._store.set(self._key, sign(self._key, record))
+        except Exception:  # noqa: BLE001 - the store went away with its host: nothing to publish to
+            return False
+        return True
 
 
-def _publish(beacon: weakref.ref, changed: threading.Event, store: Any, key: str) -> None:
+def _publish(beacon: weakref.ref, changed: threading.Event) -> None:
     """The heartbeat loop, while the beacon lives (a weak reference: the pipeline owning it
-    can be collected)."""
-    count = 0
+    can be collected) and its store answers."""
     while True:
         owner = beacon()
         if owner is None:
             return
         changed.clear()
-        try:
-            store.set(key, sign(key, owner.record(count)))
-        except Exception:  # noqa: BLE001 - the store went away with its host: nothing to publish to
+        if not owner.write():
             return
         del owner
-        count += 1
         time.sleep(_MIN_GAP)
-        changed.wait(_BEAT - _MIN_GAP)
+        changed.wait(BEAT - _MIN_GAP)
 
 
 def read_states(store: Any, prefix: str, world: int) -> dict[int, dict | None]:

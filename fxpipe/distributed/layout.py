@@ -110,6 +110,11 @@ def init_process_group(device: torch.device, timeout: float, store: dist.Store, 
     CPU, on ``store`` (the job's store fxpipe joined, under the key prefix torch's env://
     rendezvous uses). Every rank must be alive and calling it: it connects every pair.
 
+    The backend's own timeout is a backstop behind fxpipe's watchdog, at twice ``timeout``
+    plus a minute: it counts from when an op is posted (receives go out one action ahead),
+    so at ``timeout`` itself it would cut short waits that the watchdog allows and fail
+    before the watchdog names the culprit.
+
     Raises PlanError when the script's group cannot move this device's tensors.
     """
     if device.type == "cuda":
@@ -118,7 +123,7 @@ def init_process_group(device: torch.device, timeout: float, store: dist.Store, 
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=datetime.timedelta(seconds=2 * timeout + 60),
         )
         return
     backend = str(dist.get_backend())
