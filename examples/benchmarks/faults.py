@@ -11,9 +11,9 @@ one stage (see ``fxpipe.runtime.inject``):
 Each run records whether every rank ended on its own (none left for the launcher to
 end: no hang), whether every other rank's error names the faulted rank and stage, and
 the time from the fault (logged by the injector just before it strikes) to each other
-rank's error. Schedules: gpipe and 1f1b on 4 ranks, interleaved-1f1b with chunks=2 on 2
-ranks (stages s and s + 2 share a rank), and zb-h1 on 4 ranks where fxpipe has it.
-Fault points per stage: F:0, F:2 and B:1 (nan: F:0, F:2, F:3).
+rank's error. Schedules: gpipe, 1f1b and zb-h1 on 4 ranks; interleaved-1f1b (stages s
+and s + 2 share a rank) and zb-v (stages s and 3 - s) with chunks=2 on 2 ranks. Fault
+points per stage: F:0, F:2 and B:1 (zero-bubble: F:0, I:1 and W:2; nan: F:0, F:2, F:3).
 
     python examples/benchmarks/faults.py              # the full grid (make faults)
     python examples/benchmarks/faults.py --quick      # one fault point per stage
@@ -36,15 +36,24 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import LaunchError, RankFailedError, launch
-from fxpipe.plan import SCHEDULE_NAMES
 from fxpipe.runtime.inject import ENV, LOG_ENV
+from fxpipe.schedules import SCHEDULES as NAMES
+from fxpipe.schedules import make_schedule, stage_workers
 
 FAULTS = ("kill", "hang", "raise", "nan")
 STAGES = 4
 # (schedule, ranks, chunks): every schedule runs the same 4 stages
-SCHEDULES = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zb-h1", 4, 1)]
-POINTS = {"nan": ("F{s}:0", "F{s}:2", "F{s}:3")}
-DEFAULT_POINTS = ("F{s}:0", "F{s}:2", "B{s}:1")
+SCHEDULES = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("zb-h1", 4, 1), ("zb-v", 2, 2)]
+MICROBATCHES = 4
+NAN_POINTS = ("F{s}:0", "F{s}:2", "F{s}:3")  # a nan fault poisons a forward's outputs
+
+
+def points(schedule: str, kind: str) -> tuple[str, ...]:
+    """The actions a fault strikes in each stage: two forwards and a backward (zero-bubble
+    schedules split the backward: its input-gradient half I and its weight-gradient half W)."""
+    if kind == "nan":
+        return NAN_POINTS
+    return ("F{s}:0", "I{s}:1", "W{s}:2") if schedule.startswith("zb") else ("F{s}:0", "F{s}:2", "B{s}:1")
 SLACK = 5.0  # seconds past the timeout an error may take (the goal)
 
 
@@ -62,8 +71,8 @@ class Case:
 
     @property
     def rank(self) -> int:
-        """The rank holding the faulted stage (worker ``stage % ranks``)."""
-        return self.stage % self.ranks
+        """The rank holding the faulted stage (where the schedule places it)."""
+        return stage_workers(make_schedule(self.schedule, STAGES, MICROBATCHES, self.chunks))[self.stage]
 
     @property
     def spec(self) -> str:
@@ -74,8 +83,8 @@ class Case:
 
 
 def available_schedules() -> list[tuple[str, int, int]]:
-    """The grid's schedules that this fxpipe has (zb-h1 only once it exists)."""
-    return [s for s in SCHEDULES if s[0] in SCHEDULE_NAMES]
+    """The grid's schedules that this fxpipe has."""
+    return [s for s in SCHEDULES if s[0] in NAMES]
 
 
 def grid(schedules: Sequence[tuple[str, int, int]], faults: Sequence[str], timeout: float, quick: bool = False) -> list[Case]:
@@ -83,9 +92,8 @@ def grid(schedules: Sequence[tuple[str, int, int]], faults: Sequence[str], timeo
     cases = []
     for schedule, ranks, chunks in schedules:
         for kind in faults:
-            points = POINTS.get(kind, DEFAULT_POINTS)[:1 if quick else None]
             for stage in range(STAGES):
-                for point in points:
+                for point in points(schedule, kind)[: 1 if quick else None]:
                     cases.append(Case(schedule, ranks, chunks, kind, stage, point.format(s=stage), timeout))
     return cases
 
@@ -105,7 +113,7 @@ def rank_case(case: Case) -> dict[str, Any]:
     devices = [f"cpu:{r}" for r in range(case.ranks)]
     plan = fxpipe.Plan(
         devices=devices, split=["2", "4", "6"], schedule=case.schedule, chunks=case.chunks,
-        microbatches=4, timeout=case.timeout, check_finite=True,
+        microbatches=MICROBATCHES, timeout=case.timeout, check_finite=True,
     )
     pipe = fxpipe.compile(model(), plan, example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
     pipe.step(x, target=t)
@@ -197,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="one fault point per stage (a quarter of the grid)")
     parser.add_argument("--timeout", type=float, default=5.0, help="Plan.timeout of every run, seconds")
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
-    parser.add_argument("--schedules", nargs="+", default=None, help="a subset of gpipe 1f1b interleaved-1f1b zb-h1")
+    parser.add_argument("--schedules", nargs="+", default=None, help="a subset of gpipe 1f1b interleaved-1f1b zb-h1 zb-v")
     args = parser.parse_args(argv)
     schedules = [s for s in available_schedules() if args.schedules is None or s[0] in args.schedules]
     cases = grid(schedules, args.faults, args.timeout, args.quick)
