@@ -94,7 +94,6 @@ class Watchdog:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._beacon = Beacon(store, f"{prefix}state/{rank}")
-        self._stage: int | None = None  # the stage of the last action published
 
     def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
         """Name ranks by their stages from now on: ``where(rank, stage)`` describes rank's
@@ -111,14 +110,13 @@ class Watchdog:
         """This rank now computes ``what`` (an action such as ``F2:3``, of ``stage``; or a
         phase of start-up such as ``compiling``).
 
-        A move to another stage is published at once: a rank that dies is named with the
-        stage it was on, which for a rank holding several stages (interleaved schedules)
-        the other ranks cannot tell otherwise. Within a stage, the heartbeat thread
-        publishes the change a moment later.
+        The stage is published before this returns whenever the published state names
+        another (a few times a step): a rank that dies is named with the stage it was on,
+        which for a rank holding several stages (interleaved schedules) the other ranks
+        cannot tell otherwise. Within a stage, the heartbeat thread publishes the change a
+        moment later.
         """
-        self._beacon.set(Doing("running", what, stage), now=stage is not None and stage != self._stage)
-        if stage is not None:
-            self._stage = stage
+        self._beacon.set(Doing("running", what, stage), exact_stage=stage is not None)
 
     @property
     def activity(self) -> str:

@@ -50,33 +50,43 @@ class Beacon:
         self._store = store
         self._key = key
         self._count = 0
-        self._lock = threading.Lock()
+        self._published_stage: int | None = None
+        self._lock = threading.Lock()  # one writer at a time, so the store holds the latest state
         self._changed = threading.Event()
         self._thread = threading.Thread(target=_publish, args=(weakref.ref(self), self._changed), name="fxpipe-heartbeat", daemon=True)
         self._thread.start()
 
-    def set(self, doing: Doing, now: bool = False) -> None:
-        """Make ``doing`` this rank's state. The thread publishes it within ``_MIN_GAP``;
-        ``now``: publish it before returning (one store write, a few microseconds), for a
-        state that must be known even if the process dies right after."""
+    def set(self, doing: Doing, exact_stage: bool = False) -> None:
+        """Make ``doing`` this rank's state; the thread publishes it within ``_MIN_GAP``.
+
+        ``exact_stage``: if the published state names another stage, publish this one
+        before returning (one store write, a few microseconds), so that the stage is known
+        even if the process dies right after.
+        """
         self.doing = doing
-        if now:
-            self.write()
-        else:
-            self._changed.set()
+        if exact_stage:
+            with self._lock:
+                if self._published_stage != doing.stage:
+                    self._write()
+                    return
+        self._changed.set()
 
     def write(self) -> bool:
         """Publish the current state; False when the store is gone."""
-        d = self.doing
         with self._lock:
-            record = json.dumps(
-                {"n": self._count, "phase": d.phase, "what": d.what, "stage": d.stage, "waits": d.waits, "elapsed": time.monotonic() - d.since}
-            )
-            self._count += 1
+            return self._write()
+
+    def _write(self) -> bool:
+        d = self.doing
+        record = json.dumps(
+            {"n": self._count, "phase": d.phase, "what": d.what, "stage": d.stage, "waits": d.waits, "elapsed": time.monotonic() - d.since}
+        )
+        self._count += 1
         try:
             self._store.set(self._key, sign(self._key, record))
         except Exception:  # noqa: BLE001 - the store went away with its host: nothing to publish to
             return False
+        self._published_stage = d.stage
         return True
 
 

@@ -84,10 +84,13 @@ class RankExecutor:
         origin = time.perf_counter()
         faults = inject.armed()
 
-        def peer_stages(msgs: Sequence[comm.Message]) -> dict[int, int]:
-            """For each peer rank of ``msgs``, its stage at the other end of the edge (the
-            producer of an activation, the consumer whose gradient comes back)."""
-            return {m.peer: edge_ends[m.edge][0 if m.kind == comm.ACT else 1] for m in msgs}
+        def peer_stages(recvs: Sequence[comm.Message], sends: Sequence[comm.Message] = ()) -> dict[int, int]:
+            """For each peer rank of the messages, its stage at the other end of the edge:
+            what a receive waits for (the producer of an activation, the consumer sending a
+            gradient back), where a send goes (the consumer of an activation, the producer
+            of a gradient's value)."""
+            ends = [(m, 0 if m.kind == comm.ACT else 1) for m in recvs] + [(m, 1 if m.kind == comm.ACT else 0) for m in sends]
+            return {m.peer: edge_ends[m.edge][end] for m, end in ends}
 
         def buffers(msg: comm.Message) -> list[torch.Tensor]:
             leaves = spec(msg.edge, msg.microbatch).leaves
@@ -102,8 +105,8 @@ class RankExecutor:
             try:
                 send_works, recv_works = comm.post(sends, recvs, num_edges)
             except RuntimeError as err:  # gloo refuses to post to a peer that is gone
-                msgs = [msg for msg, _ in sends + recvs]
-                raise self.watchdog.lost(err, sorted({m.peer for m in msgs}), peer_stages(msgs)) from err
+                peers = sorted({msg.peer for msg, _ in sends + recvs})
+                raise self.watchdog.lost(err, peers, peer_stages([m for m, _ in recvs], [m for m, _ in sends])) from err
             pending_sends.extend(send_works)
             pending_recvs.setdefault(k, []).extend(recv_works)
 

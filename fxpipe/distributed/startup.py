@@ -70,6 +70,8 @@ def join(timeout: float) -> Watchdog:
             wait_for_workers=False, multi_tenant=True,
         )
     except Exception as err:  # noqa: BLE001 - DistNetworkError/DistStoreError/RuntimeError by version
+        if host == rank:
+            raise RankFailedError(f"rank {rank} could not host the job's store at {address}:{port} (is MASTER_PORT taken?): {err}", rank) from err
         who = "rank 0, which hosts it under env:// rendezvous, did not start or died" if host == 0 else "the launcher that hosts it is gone"
         raise RankFailedError(
             f"rank {rank} could not reach the job's store at {address}:{port} within {timeout:g} s: {who} "
