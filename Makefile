@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lint bench bench-gpu clean install
+.PHONY: demo test test-gpu lint bench bench-gpu faults clean install
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
+
+# the full fault grid: kill/hang/raise/nan x 4 stages x schedules x 3 fault points, a fresh
+# world per run (about 30 minutes on 2 cores); tests/test_faults.py runs a sample of it
+faults: $(STAMP)
+	$(BIN)/python examples/benchmarks/faults.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -347,11 +347,16 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
 
     check_weights_apply(weights, distributed_requested())
     plan = Plan.coerce(plan)
-    part = partition(model, plan, example_inputs, example_kwargs, profile)
     if distributed_requested():
-        from fxpipe.distributed import DistributedPipeline
+        from fxpipe.distributed import DistributedPipeline, startup
 
-        return DistributedPipeline(part, model, loss_fn, weights=weights)
+        # joined first, so that a rank failing to compile is named on every other rank
+        watchdog = startup.join(plan.timeout)
+        with startup.failures_recorded(watchdog):
+            watchdog.running("compiling")
+            part = partition(model, plan, example_inputs, example_kwargs, profile)
+        return DistributedPipeline(part, model, loss_fn, weights=weights, watchdog=watchdog)
+    part = partition(model, plan, example_inputs, example_kwargs, profile)
     if _on_meta(model):
         raise CompileError(
             f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "

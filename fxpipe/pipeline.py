@@ -46,7 +46,7 @@ class Pipeline(PipelineBase):
         self._first_program(self._runners(self.stages))
 
     def _runners(self, stages: list) -> dict[int, Any]:
-        return {s.index: make_runner(s, s.module, torch_device(s.device), len(stages), self.plan.checkpoint) for s in stages}
+        return {s.index: make_runner(s, s.module, torch_device(s.device), len(stages), self.plan) for s in stages}
 
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
         part = partition_like(self.part, self._model, args, kwargs, self._resolve_for)

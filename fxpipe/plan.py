@@ -55,8 +55,16 @@ class Plan:
     checkpoint: recompute each stage's activations in backward instead of keeping them.
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
-    timeout: seconds a distributed rank waits for a peer before failing with an error
-        naming the rank and stage at fault (distributed runs only).
+    timeout: seconds any one action or wait may last before the step fails with an error
+        naming the stage (and, distributed, the rank) at fault: in the local executor a
+        stage that runs or waits longer raises PipelineError, under torchrun a rank waiting
+        longer for a peer raises RankFailedError; start-up (ranks compiling, joining) is
+        bounded by it too.
+    check_finite: check every floating value a stage hands on (activations, gradients sent
+        back, the model's output) and every loss for NaN/Inf, and fail at the first one
+        with an error naming the stage, action, micro-batch and edge. Off by default, so a
+        run that diverges behaves as eager does (a NaN loss comes back, nothing raises);
+        each check costs a pass over the tensor and a host synchronisation.
     frontend: "auto" (torch.fx, falling back to torch.export), "fx" or "export".
     leaf_modules: module classes or qualified names the fx tracer keeps as single calls.
     concrete_args: forward arguments fixed while tracing with fx (torch.fx semantics).
@@ -75,6 +83,7 @@ class Plan:
     device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
     data_parallel: int = 1
     timeout: float = 300.0
+    check_finite: bool = False
     frontend: str = "auto"
     leaf_modules: Sequence[Any] = ()
     concrete_args: Mapping[str, Any] | None = None
@@ -101,6 +110,8 @@ class Plan:
                 raise PlanError(f"plan.{name} = {value!r}: must be a positive integer")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
+        if not isinstance(self.check_finite, bool):
+            raise PlanError(f"plan.check_finite = {self.check_finite!r}: must be True or False")
         if self.schedule == "zb-v" and self.chunks != 2:
             raise PlanError(f"plan.schedule = 'zb-v' runs two stages per device in a V: set chunks=2 (got chunks={self.chunks})")
         if self.chunks > 1 and isinstance(self.schedule, str) and self.schedule not in ("interleaved-1f1b", "zb-v"):

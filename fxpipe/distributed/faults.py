@@ -1,40 +1,43 @@
-"""Failing loudly instead of hanging: the plan check at start, and waits with a deadline.
+"""Failing loudly instead of hanging: waits with a deadline that name the rank at fault.
 
-Ranks share the process group's key-value store (torchrun's agent store, or the one the
-launcher hosts), under a prefix per pipeline. Two things go through it:
+Ranks share the job's key-value store (torchrun's agent store, the one fxpipe's launcher
+hosts, or rank 0's), under a prefix per pipeline. Three things go through it:
 
-- **The plan fingerprint.** Every rank publishes a digest of what it compiled (the plan,
-  the world layout, each stage's code, parameters and edges) and compares it with every
-  other rank's before any tensor moves. A mismatch names the ranks and what differs.
-- **What each rank is doing.** A heartbeat thread per rank publishes, every half second,
-  whether it runs an action (which, for how long) or waits (for which ranks), with a
-  counter that advances on every beat.
+- **What each rank is doing** (:mod:`fxpipe.distributed.heartbeat`): running an action of
+  a stage, or waiting, and then for which ranks and which of their stages, with a counter
+  that a live rank advances every half second.
+- **Meeting points at start-up** (:meth:`Watchdog.gather`): every rank publishes a value
+  (its plan fingerprint) and reads everyone's, watching for failures while it waits.
 - **The first failure.** A rank whose stage raises, or that sees a peer's connection
-  drop, records ``"rank r (stage s) ..."`` once (first writer wins). Every rank waits
-  for communication through :meth:`Watchdog.wait`, which blocks in a helper thread and
-  looks at the store every ``poll`` seconds: on a recorded failure it raises that one;
-  when nothing arrived within the plan's timeout, or a link broke, it follows the
-  published waits from the ranks it waited for to the one that is stuck running, or
-  whose heartbeat stopped, and records that rank: :class:`RankFailedError` names the
-  culprit, not the neighbour that was waiting on it.
+  drop, records ``"rank r (stage s) ..."`` once (first writer wins, signed with the job
+  secret). Every rank waits for communication through :meth:`Watchdog.wait`, which
+  blocks in a helper thread and looks at the store every ``_POLL`` seconds: on a recorded
+  failure it raises that one; when nothing arrived within the plan's timeout, or a link
+  broke, :meth:`Watchdog.culprit` follows the published waits from the ranks it waited
+  for to the one that is stuck running, or whose heartbeat stopped, and records that rank.
+
+Blame is exact because every wait says whom it waits for: a receive names its peer rank
+and the stage whose output it needs, a collective its group. A rank that is alive and
+waiting passes the blame on; the first rank in the chain that runs (for longer than the
+timeout) or is silent is the culprit, with the stage it runs or, for a silent rank, the
+stage it was last seen on (a rank publishes a move to another stage before it starts
+there; within a stage its last state may be a moment old).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fxpipe.distributed.signing import publish_first, read_verified
+from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
+from fxpipe.distributed.signing import publish_first, read_verified, sign, verify
 
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
 _GRACE = 1.0  # seconds to wait for a failing peer's own report before blaming the link
-_BEAT = 0.5  # seconds between a rank's published states
 
 
 class RankFailedError(RuntimeError):
@@ -46,8 +49,9 @@ class RankFailedError(RuntimeError):
         self.stage = stage
 
 
-class PlanMismatchError(RuntimeError):
-    """Ranks compiled different plans or models; the message names them and the difference."""
+class PlanMismatchError(RankFailedError):
+    """Ranks compiled different plans or models; the message names them and the difference,
+    ``rank`` the first rank that differs from rank 0."""
 
 
 class PeerLost(Exception):
@@ -63,103 +67,120 @@ def _encode(message: str, rank: int | None, stage: int | None) -> str:
     return json.dumps({"message": message, "rank": rank, "stage": stage})
 
 
+def _no_stages(rank: int, stage: int | None = None) -> str:
+    return f"stage {stage}" if stage is not None else ""
+
+
 class Watchdog:
     """Waits on communication with a deadline; names the rank at fault, exactly.
 
-    store: a c10d Store; prefix: this pipeline's key prefix; rank / world: this process and
-    the world size; stage_of_rank: a description of the stages each rank runs (for
-    messages); first_stage: the first stage a rank runs (the ``stage`` of errors naming
-    it); timeout: seconds a wait may last.
-
-    Every rank publishes what it is doing (running an action, or waiting for which ranks)
-    to the store from a heartbeat thread every ``_BEAT`` seconds, with a counter that
-    advances on each beat. A wait that outlasts the timeout does not blame the peer it
-    waits for, which may itself be waiting: it follows the chain of published waits to the
-    rank that is running (for longer than it should) or whose heartbeat stopped (killed,
-    or stuck holding the interpreter), and records that one.
+    store: a c10d Store shared by the job; prefix: this pipeline's key prefix; rank / world:
+    this process and the world size; timeout: seconds a wait may last; store_host: the rank
+    whose process hosts the store (rank 0 under a plain env:// rendezvous; None when a
+    launcher's agent does), blamed when the store becomes unreachable. Until
+    :meth:`assign` gives the layout, ranks are named without their stages.
     """
 
-    def __init__(
-        self,
-        store: Any,
-        prefix: str,
-        rank: int,
-        stage_of_rank: Callable[[int], str],
-        first_stage: Callable[[int], int],
-        timeout: float,
-        world: int | None = None,
-    ) -> None:
+    def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout: float, store_host: int | None = None) -> None:
         self.store = store
         self.prefix = prefix
         self.key = f"{prefix}failure"
         self.rank = rank
-        self.world = world if world is not None else rank + 1
-        self.stage_of_rank = stage_of_rank
-        self.first_stage = first_stage
+        self.world = world
         self.timeout = timeout
+        self.store_host = store_host
+        self.where: Callable[[int, int | None], str] = _no_stages
+        self.first_stage: Callable[[int], int | None] = lambda r: None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        # (phase, what, peers, since): set by the calling thread, published by the heartbeat
-        self._doing: tuple[str, str, tuple[int, ...], float] = ("running", "set-up", (), time.monotonic())
-        self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self), store, f"{prefix}state/{rank}"), name="fxpipe-heartbeat", daemon=True)
-        self._beat.start()
+        self._beacon = Beacon(store, f"{prefix}state/{rank}")
+
+    def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
+        """Name ranks by their stages from now on: ``where(rank, stage)`` describes rank's
+        stage (or its stages, for None); ``first_stage(rank)`` is its first stage."""
+        self.where = where
+        self.first_stage = first_stage
+
+    def _name(self, rank: int, stage: int | None = None) -> str:
+        where = self.where(rank, stage)
+        return f"rank {rank} ({where})" if where else f"rank {rank}"
 
     # ---------------------------------------------------------------- state
-    def running(self, what: str) -> None:
-        """This rank now computes ``what`` (an action such as ``F2:3``)."""
-        self._doing = ("running", what, (), time.monotonic())
+    def running(self, what: str, stage: int | None = None) -> None:
+        """This rank now computes ``what`` (an action such as ``F2:3``, of ``stage``; or a
+        phase of start-up such as ``compiling``).
 
-    def _state(self, count: int) -> str:
-        phase, what, peers, since = self._doing
-        return json.dumps({"n": count, "phase": phase, "what": what, "peers": list(peers), "elapsed": time.monotonic() - since})
-
-    def _read_states(self) -> dict[int, dict]:
-        states = {}
-        for r in range(self.world):
-            try:
-                states[r] = json.loads(self.store.get(f"{self.prefix}state/{r}")) if self.store.check([f"{self.prefix}state/{r}"]) else None
-            except Exception:  # noqa: BLE001 - the store is gone with its host
-                states[r] = None
-        return states
-
-    def culprit(self, peers: Sequence[int]) -> tuple[int, str]:
-        """The rank at the end of the chain of waits that starts at ``peers``, and why.
-
-        Reads every rank's published state twice, two beats apart: a rank whose counter did
-        not move is dead or stuck; a running rank ends a chain; a waiting one passes the
-        blame on to the ranks it waits for.
+        The stage is published before this returns whenever the published state names
+        another (a few times a step): a rank that dies is named with the stage it was on,
+        which for a rank holding several stages (interleaved schedules) the other ranks
+        cannot tell otherwise. Within a stage, the heartbeat thread publishes the change a
+        moment later.
         """
-        first = self._read_states()
-        time.sleep(2.5 * _BEAT)
-        second = self._read_states()
-        dead = {r for r in range(self.world) if r != self.rank and (second[r] is None or (first[r] is not None and second[r]["n"] == first[r]["n"]))}
-        running: list[tuple[float, int, str]] = []  # (seconds running, rank, why) at the chains' ends
-        for start in peers:
-            seen: set[int] = set()
-            r = start
-            while r not in seen:
-                seen.add(r)
-                state = second.get(r)
-                if r in dead:
-                    doing = f" while {state['phase']} {state['what']}" if state else ""
-                    return r, f"rank {r} ({self.stage_of_rank(r)}) stopped responding{doing}: it died or is stuck"
-                if state["phase"] == "running":
-                    running.append((state["elapsed"], r, f"rank {r} ({self.stage_of_rank(r)}) has been running {state['what']} for {state['elapsed']:.1f} s"))
-                    break
-                nxt = [q for q in state["peers"] if q not in seen and q != self.rank]
-                if not nxt:
-                    break
-                r = nxt[0]
+        self._beacon.set(Doing("running", what, stage), exact_stage=stage is not None)
+
+    @property
+    def activity(self) -> str:
+        """What this rank is doing now, as a phrase ("compiling", "running F2:1")."""
+        doing = self._beacon.doing
+        return doing.what if doing.phase == "running" and doing.stage is None else f"{doing.phase} {doing.what}"
+
+    def culprit(self, waits: Sequence[tuple[int, int | None]]) -> tuple[int, int | None, str] | None:
+        """The rank at fault behind ``waits`` ((rank, stage awaited) pairs), its stage, and
+        why; None when every rank found is alive and waiting.
+
+        Reads every rank's published state twice, 2.5 beats apart: a rank whose counter
+        did not move (or that never published) is dead or stuck; a running rank ends a
+        chain; a waiting one passes the blame on to the ranks it waits for. A silent rank
+        is the culprit first, then the one running longest.
+        """
+        first = read_states(self.store, self.prefix, self.world)
+        time.sleep(2.5 * BEAT)
+        second = read_states(self.store, self.prefix, self.world)
+        silent = {
+            r for r in range(self.world)
+            if r != self.rank and (second[r] is None or (first[r] is not None and second[r]["n"] == first[r]["n"]))
+        }
+        running: list[tuple[float, int, int | None, str]] = []
+        via: dict[int, set[int | None]] = {}  # rank -> the stages of it that the chain waits on
+        frontier = [(r, s) for r, s in waits]
+        seen: list[int] = []  # in the order found: the nearest silent rank is blamed
+        while frontier:
+            r, stage = frontier.pop(0)
+            via.setdefault(r, set()).add(stage)
+            if r in seen:
+                continue
+            seen.append(r)
+            state = second.get(r)
+            if r in silent:
+                continue
+            if state["phase"] != "waiting":
+                elapsed = state["elapsed"]
+                what = f"been running {state['what']} for {elapsed:.1f} s" if state["phase"] == "running" else f"failed ({state['what']})"
+                running.append((elapsed, r, state["stage"], f"{self._name(r, state['stage'])} has {what}"))
+                continue
+            frontier += [(q, s) for q, s in state["waits"] if q != self.rank]
+        for r in [r for r in seen if r in silent]:
+            # its last published stage is exact (a rank publishes a move to another stage
+            # before it starts there); else the stage the chain waited on from it
+            state = second.get(r) or first.get(r)
+            awaited = {s for s in via[r] if s is not None}
+            stage = (state or {}).get("stage")
+            if stage is None:
+                stage = awaited.pop() if len(awaited) == 1 else self.first_stage(r)
+            if state is None:
+                why = f"{self._name(r, stage)} never published its state: it did not start, or died before joining"
+            else:
+                why = f"{self._name(r, stage)} stopped responding (last seen {state['phase']} {state['what']}): it died or is stuck"
+            return r, stage, why
         if running:
-            _, r, why = max(running)
-            return r, why
-        r = peers[0]
-        return r, f"rank {r} ({self.stage_of_rank(r)}) did not answer"
+            _, r, stage, why = max(running, key=lambda found: found[0])
+            return r, stage if stage is not None else self.first_stage(r), why
+        return None
 
     # ---------------------------------------------------------------- reporting
     def report(self, message: str, rank: int | None, stage: int | None = None) -> RankFailedError:
         """Record a failure (unless one already is) and return the error for the first one."""
-        self._doing = ("failed", message[:200], (), time.monotonic())
+        self._beacon.set(Doing("failed", message[:200]))
         try:
             data = json.loads(publish_first(self.store, self.key, _encode(message, rank, stage)))
         except Exception:  # noqa: BLE001 - the store itself may be gone: keep our own report
@@ -175,18 +196,33 @@ class Watchdog:
                 return None
             data = json.loads(payload)
         except Exception as err:  # noqa: BLE001 - an unreachable store means its host died
+            if self.store_host is not None and self.store_host != self.rank:
+                host = self.store_host
+                return RankFailedError(
+                    f"{self._name(host)} died: it hosts the rendezvous store, which stopped answering ({err})", host, self.first_stage(host)
+                )
             return RankFailedError(f"the rendezvous store is unreachable ({err}); its host process died", None, None)
         return RankFailedError(data["message"], data["rank"], data["stage"])
 
     # ------------------------------------------------------------------ waiting
-    def wait(self, works: Sequence[tuple[Any, int | None]], what: Callable[[], str], peers: Sequence[int] | None = None) -> None:
+    def wait(
+        self,
+        works: Sequence[tuple[Any, int | None]],
+        what: Callable[[], str],
+        peers: Sequence[int] | None = None,
+        stage: int | None = None,
+        peer_stages: dict[int, int] | None = None,
+    ) -> None:
         """Wait for every ``(work, peer)``; raise RankFailedError instead of hanging.
 
         ``what()`` describes what is awaited; ``peers``: the ranks the wait depends on (a
-        collective's group; default the works' peers). A wait that outlasts the timeout,
-        or a broken link, names the rank found by :meth:`culprit`.
+        collective's group; default the works' peers); ``stage``: this rank's stage that
+        waits; ``peer_stages``: which stage of each peer the wait needs. A wait that
+        outlasts the timeout, or a broken link, names the rank found by :meth:`culprit`.
         """
         peers = tuple(peers) if peers is not None else tuple(sorted({p for _, p in works if p is not None}))
+        peers = tuple(p for p in peers if p != self.rank)
+        waits = tuple((p, (peer_stages or {}).get(p)) for p in peers)
         pending = []
         for work, peer in works:
             if not work.is_completed():
@@ -195,41 +231,44 @@ class Watchdog:
             try:
                 work.wait()  # already done: returns at once, or raises what went wrong
             except Exception as err:  # noqa: BLE001 - the link to that peer broke
-                raise self._lost(PeerLost(peer, err), peers) from err
-        works = pending
-        if not works:
+                raise self._lost(PeerLost(peer, err), waits) from err
+        if not pending:
             return  # the common case with prefetched receives: no thread hand-off
-        previous = self._doing
-        self._doing = ("waiting", what(), peers, time.monotonic())
+        previous = self._beacon.doing
+        self._beacon.set(Doing("waiting", what(), stage, waits))
         done = threading.Event()
         outcome: list[BaseException] = []
-        self._submit((works, done, outcome))
+        self._submit((pending, done, outcome))
         deadline = time.monotonic() + self.timeout
         while not done.wait(_POLL):
             failure = self.recorded()
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                culprit, why = self.culprit(peers or (self.rank,))
+                r, r_stage = waits[0] if waits else (self.rank, stage)
+                found = self.culprit(waits) or (r, r_stage, f"{self._name(r, r_stage)} did not answer")
+                culprit, culprit_stage, why = found
                 raise self.report(
-                    f"{why}; rank {self.rank} waited {self.timeout:.0f} s for {what()} "
+                    f"{why}; rank {self.rank} waited {self.timeout:g} s for {what()} "
                     "(raise Plan(timeout=...) if it is only slow)",
                     culprit,
-                    self.first_stage(culprit),
+                    culprit_stage,
                 )
-        self._doing = previous
         if outcome:
             err = outcome[0]
+            # the state stays "waiting" while the blame is worked out: this rank is not the culprit
             if isinstance(err, PeerLost):
-                raise self._lost(err, peers)
+                raise self._lost(err, waits)
             raise err
+        self._beacon.set(previous)
 
-    def lost(self, cause: BaseException, peers: Sequence[int]) -> RankFailedError:
+    def lost(self, cause: BaseException, peers: Sequence[int], peer_stages: dict[int, int] | None = None) -> RankFailedError:
         """The error for a communication op that failed at once with ``cause`` (posting to a
         peer that is gone): the rank at fault among ``peers``' chains."""
-        return self._lost(PeerLost(peers[0] if len(peers) == 1 else None, cause), peers)
+        waits = tuple((p, (peer_stages or {}).get(p)) for p in peers)
+        return self._lost(PeerLost(peers[0] if len(peers) == 1 else None, cause), waits)
 
-    def _lost(self, err: PeerLost, peers: Sequence[int]) -> RankFailedError:
+    def _lost(self, err: PeerLost, waits: Sequence[tuple[int, int | None]]) -> RankFailedError:
         """A link broke: the rank that failed first is recorded by now, or is found."""
         end = time.monotonic() + _GRACE
         while time.monotonic() < end:
@@ -237,8 +276,13 @@ class Watchdog:
             if failure is not None:
                 return failure
             time.sleep(0.05)
-        culprit, why = self.culprit([err.peer] if err.peer is not None else list(peers) or [self.rank])
-        failure = self.report(f"{why} (seen by rank {self.rank}: {err.cause})", culprit, self.first_stage(culprit))
+        if err.peer is not None:
+            waits = [w for w in waits if w[0] == err.peer] or [(err.peer, None)]
+        found = self.culprit(waits)
+        if found is None:  # every peer is alive and waiting: the fault is this rank's own
+            found = (self.rank, None, f"rank {self.rank} failed while {self.activity}")
+        culprit, stage, why = found
+        failure = self.report(f"{why} (seen by rank {self.rank}: {err.cause})", culprit, stage)
         failure.__cause__ = err.cause
         return failure
 
@@ -259,63 +303,62 @@ class Watchdog:
                     break
             done.set()
 
+    # ---------------------------------------------------------------- start-up
+    def gather(self, name: str, value: str, what: str) -> dict[int, str]:
+        """Publish ``value`` under ``name`` and return every rank's (a meeting point).
 
-def _heartbeat(watchdog: weakref.ref, store: Any, key: str) -> None:
-    """Publish the watchdog's state every beat while it lives (a thread of its own, so a
-    rank busy in a long op, or sleeping, still beats; one stuck holding the interpreter
-    stops)."""
-    count = 0
-    while True:
-        dog = watchdog()
-        if dog is None:
-            return
-        try:
-            store.set(key, dog._state(count))
-        except Exception:  # noqa: BLE001 - the store went away with its host: nothing to publish to
-            return
-        del dog
-        count += 1
-        time.sleep(_BEAT)
+        ``what`` says what the others were to do before this point ("compiling"). Raises
+        the recorded RankFailedError as soon as a rank records one, and RankFailedError
+        naming the ranks that did not arrive within the timeout: whether they never joined,
+        stopped responding, or are still busy, from their published states.
+        """
+        key = f"{self.prefix}{name}/"
+        self.store.set(f"{key}{self.rank}", sign(f"{key}{self.rank}", value))
+        others = [r for r in range(self.world) if r != self.rank]
+        self._beacon.set(Doing("waiting", f"every rank to finish {what}", None, tuple((r, None) for r in others)))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            failure = self.recorded()
+            if failure is not None:
+                raise failure
+            try:
+                missing = [r for r in others if not self.store.check([f"{key}{r}"])]
+            except Exception:  # noqa: BLE001 - the store's host died; recorded() says who
+                missing = others
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise self._missing(missing, what)
+            time.sleep(_POLL)
+        values = {}
+        for r in range(self.world):
+            payload = verify(f"{key}{r}", self.store.get(f"{key}{r}"))
+            if payload is None:
+                raise RankFailedError(f"the value rank {r} published at start-up is not signed with this job's secret", r)
+            values[r] = payload
+        self._beacon.set(Doing("running", "set-up"))
+        return values
 
-
-def fingerprint(parts: dict[str, str]) -> dict[str, str]:
-    """Digest of each named part of a compiled plan, plus ``"all"`` over them all."""
-    digests = {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
-    digests["all"] = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
-    return digests
-
-
-def check_same_plan(store: Any, prefix: str, rank: int, world: int, parts: dict[str, str], summary: str, timeout: float) -> None:
-    """Compare this rank's plan fingerprint with every other rank's, before anything runs.
-
-    Raises PlanMismatchError naming the ranks that differ from rank 0 and the parts that
-    differ (``plan``, ``layout``, ``stage 2`` ...), RankFailedError naming the ranks that
-    did not reach this point within ``timeout`` seconds.
-    """
-    import datetime
-
-    mine = fingerprint(parts)
-    store.set(f"{prefix}plan/{rank}", json.dumps({"digests": mine, "summary": summary}))
-    keys = [f"{prefix}plan/{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as err:  # noqa: BLE001 - a store timeout: name who is missing
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RankFailedError(
-            f"rank(s) {missing} did not finish compiling within {timeout:.0f} s (they crashed, or run "
-            f"a different script): {err}",
-            missing[0] if missing else None,
-        ) from err
-    reference = json.loads(store.get(keys[0]))
-    problems = []
-    for r in range(world):
-        theirs = reference if r == 0 else json.loads(store.get(keys[r]))
-        if theirs["digests"]["all"] == reference["digests"]["all"]:
-            continue
-        diff = sorted(k for k in reference["digests"] if k != "all" and theirs["digests"].get(k) != reference["digests"][k])
-        problems.append(f"rank {r} differs from rank 0 in {', '.join(diff)}: rank 0 has {reference['summary']}; rank {r} has {theirs['summary']}")
-    if problems:
-        raise PlanMismatchError(
-            "ranks compiled different pipelines; every rank must run the same script with the same "
-            "model, plan and example inputs:\n  " + "\n  ".join(problems)
+    def _missing(self, missing: list[int], what: str) -> RankFailedError:
+        """The error naming the first of ``missing`` ranks that did not reach a meeting point."""
+        failure = self.recorded()
+        if failure is not None:
+            return failure
+        first = read_states(self.store, self.prefix, self.world)
+        time.sleep(2.5 * BEAT)
+        second = read_states(self.store, self.prefix, self.world)
+        r = missing[0]
+        state = second[r]
+        if state is None:
+            why = "never joined: it did not start, failed before fxpipe.compile, or runs another script"
+        elif first[r] is not None and first[r]["n"] == state["n"]:
+            why = f"stopped responding while {state['what']}: it died or is stuck"
+        else:
+            why = f"is still {state['what']} after {state['elapsed']:.1f} s"
+        others = f" (also missing: ranks {missing[1:]})" if len(missing) > 1 else ""
+        return self.report(
+            f"{self._name(r)} {why}; rank {self.rank} waited {self.timeout:g} s for every rank to finish {what}{others} "
+            "(raise Plan(timeout=...) if it is only slow)",
+            r,
+            self.first_stage(r),
         )

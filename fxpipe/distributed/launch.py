@@ -53,7 +53,8 @@ from typing import Any
 from fxpipe.distributed.signing import SECRET_ENV, new_secret
 
 LOOPBACK = "127.0.0.1"
-_PRELOAD = ["torch", "torch.distributed", "fxpipe"]
+# torch._dynamo: every rank's first compile imports it (fake tensors), about 2 s each otherwise
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fxpipe"]
 _STOP_WAIT = 2.0  # seconds between SIGTERM and SIGKILL when ending a rank
 
 

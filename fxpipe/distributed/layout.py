@@ -66,8 +66,9 @@ class Layout:
     def my_stages(self) -> list[int]:
         return self.stages_of(self.worker)
 
-    def describe(self, rank: int) -> str:
-        stages = self.stages_of(rank % self.workers)
+    def describe(self, rank: int, stage: int | None = None) -> str:
+        """``rank``'s stage (``stage`` when given, else all of its stages) and replica."""
+        stages = [stage] if stage is not None else self.stages_of(rank % self.workers)
         where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
         return where + (f" of replica {rank // self.workers}" if self.replicas > 1 else "")
 
@@ -104,8 +105,15 @@ def rank_device(stage_device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_process_group(device: torch.device, timeout: float) -> None:
-    """Initialise the default process group unless the script did: nccl for CUDA, gloo for CPU.
+def init_process_group(device: torch.device, timeout: float, store: dist.Store, rank: int, world: int) -> None:
+    """Initialise the default process group unless the script did: nccl for CUDA, gloo for
+    CPU, on ``store`` (the job's store fxpipe joined, under the key prefix torch's env://
+    rendezvous uses). Every rank must be alive and calling it: it connects every pair.
+
+    The backend's own timeout is a backstop behind fxpipe's watchdog, at twice ``timeout``
+    plus a minute: it counts from when an op is posted (receives go out one action ahead),
+    so at ``timeout`` itself it would cut short waits that the watchdog allows and fail
+    before the watchdog names the culprit.
 
     Raises PlanError when the script's group cannot move this device's tensors.
     """
@@ -113,7 +121,10 @@ def init_process_group(device: torch.device, timeout: float) -> None:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=2 * timeout + 60),
+        )
         return
     backend = str(dist.get_backend())
     if device.type == "cuda" and "nccl" not in backend:

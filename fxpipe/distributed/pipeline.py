@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Any
 
 import torch
@@ -22,8 +21,8 @@ from torch import nn
 
 from fxpipe import microbatch
 from fxpipe.compiler import partition_like
-from fxpipe.distributed import comm
-from fxpipe.distributed.faults import RankFailedError, Watchdog, check_same_plan
+from fxpipe.distributed import comm, startup
+from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
@@ -37,8 +36,6 @@ from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
-
-_instances = itertools.count()
 
 
 class DistributedPipeline(PipelineBase):
@@ -55,29 +52,41 @@ class DistributedPipeline(PipelineBase):
         model: nn.Module,
         loss_fn: Any = None,
         weights: Weights = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         plan = part.plan
+        self.watchdog = watchdog if watchdog is not None else startup.join(plan.timeout)
+        with startup.failures_recorded(self.watchdog):
+            self.layout = layout = make_layout(plan, part.stage_workers)
+            self.watchdog.assign(layout.describe, lambda r: layout.stages_of(r % layout.workers)[0])
+            self.device = rank_device(part.stages[layout.my_stages[0]].device)
+            self.watchdog.running("loading its stages' weights")
+            aliases = alias_groups(model)
+            modules = materialize({s: part.stages[s].module for s in layout.my_stages}, self.device, weights, aliases)
+            startup.check_same_plan(self.watchdog, startup.plan_parts(part, layout), startup.plan_summary(part, layout))
+        # every rank compiled the same plan and holds its stages: connect them
+        try:
+            self._connect(part, model, loss_fn, modules, aliases)
+        except RankFailedError:
+            raise
+        except Exception as err:  # a peer that died during set-up breaks the collectives
+            raise self.watchdog.lost(err, [r for r in range(layout.world) if r != layout.rank]) from err
+
+    def _connect(self, part: Partitioned, model: nn.Module, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]) -> None:
+        """Set-up across ranks: the process group, the mesh, tied weights, replicas' weights."""
+        plan, layout = part.plan, self.layout
         num_stages = part.num_stages
-        layout = make_layout(plan, part.stage_workers)
-        self.device = rank_device(part.stages[layout.my_stages[0]].device)
-        init_process_group(self.device, plan.timeout)
-        self.layout = layout = make_layout(plan, part.stage_workers)
+        self.watchdog.running("connecting to the other ranks")
+        init_process_group(self.device, plan.timeout, self.watchdog.store, layout.rank, layout.world)
         self.rank, self.world_size = layout.rank, layout.world
         self.replicas, self.replica = layout.replicas, layout.replica
         self.local_stages = layout.my_stages
         self.is_last = num_stages - 1 in self.local_stages
-
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"fxpipe/{next(_instances)}/"
-        check_same_plan(store, prefix, layout.rank, layout.world, _fingerprint_parts(part, layout), _plan_summary(part, layout), plan.timeout)
-        self.watchdog = Watchdog(store, prefix, layout.rank, layout.describe, lambda r: layout.stages_of(r % layout.workers)[0], plan.timeout, layout.world)
         self.mesh = make_mesh(layout, self.device)
 
         self._skeletons = [skeleton(s.module) for s in part.stages]
 
-        aliases = alias_groups(model)
-        modules = materialize({s: part.stages[s].module for s in self.local_stages}, self.device, weights, aliases)
-        runners = {s: make_runner(part.stages[s], modules[s], self.device, num_stages, plan.checkpoint) for s in self.local_stages}
+        runners = {s: make_runner(part.stages[s], modules[s], self.device, num_stages, plan) for s in self.local_stages}
         self.stages = [
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
@@ -146,8 +155,10 @@ class DistributedPipeline(PipelineBase):
             roots = list(local.values()) if stage in local else [self._model]
             return functools.partial(lookup, roots)
 
-        part = partition_like(self.part, self._model, args, kwargs, resolve_for)
-        runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan.checkpoint) for s in self.local_stages}
+        with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
+            self.watchdog.running("compiling a new input signature")
+            part = partition_like(self.part, self._model, args, kwargs, resolve_for)
+        runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
         return Program(part, runners, [(e.src, e.dst) for e in part.partitioned.edges], skeletons=skeletons)
 
@@ -252,27 +263,6 @@ class DistributedPipeline(PipelineBase):
 
 
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _fingerprint_parts(part: Partitioned, layout: Any) -> dict[str, str]:
-    """What every rank must agree on, by part: the plan, the world layout, each stage."""
-    plan = part.plan
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-    fields["schedule"] = describe_schedule(plan.schedule)  # a function's repr holds its address
-    parts = {"plan": repr(sorted(fields.items(), key=lambda kv: kv[0])), "layout": f"world {layout.world} workers {layout.workers} replicas {layout.replicas}"}
-    for s in part.stages:
-        tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(s.module.named_parameters()) + list(s.module.named_buffers())]
-        edges = [(e.name, e.src, e.dst, e.description) for e in s.inputs + s.outputs]
-        parts[f"stage {s.index}"] = f"{s.module.code}\n{tensors}\n{edges}"
-    return parts
-
-
-def _plan_summary(part: Partitioned, layout: Any) -> str:
-    p = part.plan
-    return (
-        f"{part.num_stages} stages, split={p.split!r}, schedule={describe_schedule(p.schedule)}, microbatches={p.microbatches}, "
-        f"chunks={p.chunks}, data_parallel={p.data_parallel}, world={layout.world}"
-    )
 
 
 __all__ = ["DistributedPipeline", "RankFailedError"]

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
+from fxpipe.runtime import inject
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.stage import Grads, StageRunner
 from fxpipe.schedules import Action
@@ -81,6 +82,15 @@ class RankExecutor:
         last_backward = {a.stage: k for k, a in enumerate(actions) if a.op != "F"}  # B, or the later of I and W
         cuda = self.device.type == "cuda"
         origin = time.perf_counter()
+        faults = inject.armed()
+
+        def peer_stages(recvs: Sequence[comm.Message], sends: Sequence[comm.Message] = ()) -> dict[int, int]:
+            """For each peer rank of the messages, its stage at the other end of the edge:
+            what a receive waits for (the producer of an activation, the consumer sending a
+            gradient back), where a send goes (the consumer of an activation, the producer
+            of a gradient's value)."""
+            ends = [(m, 0 if m.kind == comm.ACT else 1) for m in recvs] + [(m, 1 if m.kind == comm.ACT else 0) for m in sends]
+            return {m.peer: edge_ends[m.edge][end] for m, end in ends}
 
         def buffers(msg: comm.Message) -> list[torch.Tensor]:
             leaves = spec(msg.edge, msg.microbatch).leaves
@@ -96,7 +106,7 @@ class RankExecutor:
                 send_works, recv_works = comm.post(sends, recvs, num_edges)
             except RuntimeError as err:  # gloo refuses to post to a peer that is gone
                 peers = sorted({msg.peer for msg, _ in sends + recvs})
-                raise self.watchdog.lost(err, peers) from err
+                raise self.watchdog.lost(err, peers, peer_stages([m for m, _ in recvs], [m for m, _ in sends])) from err
             pending_sends.extend(send_works)
             pending_recvs.setdefault(k, []).extend(recv_works)
 
@@ -157,12 +167,17 @@ class RankExecutor:
             elif k + 1 < len(actions):
                 post(k + 1, [])  # prefetch: the next action's inputs arrive while this one computes
             waited = time.perf_counter()
-            self.watchdog.wait(pending_recvs.pop(k, []), lambda a=action: f"the inputs of {a}")
-            self.watchdog.running(str(action))
+            self.watchdog.wait(
+                pending_recvs.pop(k, []), lambda a=action: f"the inputs of {a}", stage=action.stage,
+                peer_stages=peer_stages(plan.recvs[k]),
+            )
+            self.watchdog.running(str(action), action.stage)
             start = time.perf_counter()
             if start - waited > 1e-4:  # the inputs had not all arrived: the timeline shows the wait
                 events.append(Event(self.worker, action.stage, action.microbatch, "recv", waited - origin, start - origin, str(self.device)))
             try:
+                if faults is not None:
+                    faults.fire(action, runners[action.stage].module, self.rank)
                 sends = forward(k, action) if action.op == "F" else backward(k, action)
             except RankFailedError:
                 raise
@@ -173,7 +188,7 @@ class RankExecutor:
             else:
                 post(len(actions), sends)
             if cuda:  # the action's kernels (and the NCCL receives they wait on) finish under the watchdog
-                self.watchdog.wait([(_EventWork(self.device), self.rank)], lambda a=action: f"{a}'s kernels and the messages they wait on")
+                self.watchdog.wait([(_EventWork(self.device), self.rank)], lambda a=action: f"{a}'s kernels and the messages they wait on", stage=action.stage)
             events.append(
                 Event(self.worker, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, str(self.device))
             )
@@ -182,6 +197,7 @@ class RankExecutor:
         if previous_sends:
             post(len(actions), previous_sends)
         self.watchdog.wait(pending_sends, lambda: "the step's last messages to be received")
+        self.watchdog.running("the script's own code, between pipeline calls")
         return events
 
     def _failed(self, action: Action, err: BaseException) -> RankFailedError:

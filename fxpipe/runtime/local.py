@@ -20,10 +20,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxpipe.runtime import inject
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.runtime.streams import WorkerStream
@@ -89,16 +91,31 @@ class _Mailbox:
 
 
 class _Thread:
-    """A long-lived worker thread running the jobs it is handed, one at a time."""
+    """A long-lived worker thread running the jobs it is handed, one at a time, until retired."""
 
     def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.retired = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        while True:
+        while not self.retired:
             self.jobs.get()()
+
+    def retire(self) -> None:
+        """End the thread once its current job returns (a stuck job keeps it until then)."""
+        self.retired = True
+        self.jobs.put(_nothing)  # wakes an idle thread to see it
+
+
+def _nothing() -> None:
+    pass
+
+
+def _retire_all(threads: dict[int, _Thread]) -> None:
+    for thread in threads.values():
+        thread.retire()
 
 
 class LocalExecutor:
@@ -110,6 +127,8 @@ class LocalExecutor:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._threads: dict[int, _Thread] = {}
+        # the threads end with the executor (they hold no reference to it)
+        weakref.finalize(self, _retire_all, self._threads)
 
     def run(
         self,
@@ -130,6 +149,7 @@ class LocalExecutor:
         events: list[Event] = []
         origin = time.perf_counter()
         finished = threading.Semaphore(0)
+        faults = inject.armed()
 
         def forward(stream: WorkerStream, runner: StageRunner, i: int, state: _State) -> float:
             received = [stream.receive(*box.take(("act", e, i), state)) for e in runner.recv]
@@ -169,6 +189,8 @@ class LocalExecutor:
                     if stream is None:
                         stream = WorkerStream(runner.device)
                     state.action, state.since = action, time.monotonic()
+                    if faults is not None:
+                        faults.fire(action, runner.module)
                     waited = time.perf_counter()
                     with stream.active():
                         if action.op == "F":
@@ -235,7 +257,7 @@ class LocalExecutor:
                 box.fail(error)
                 if not states[worker].done:
                     abandoned.add(worker)
-                    self._threads.pop(worker, None)  # a fresh thread serves the next step
+                    self._threads.pop(worker).retire()  # a fresh thread serves the next step
         # leave the abandoned threads to finish (or not) on their own
 
     def _stuck(

@@ -21,6 +21,7 @@ from torch import nn
 
 from fxpipe import microbatch
 from fxpipe.placement import skeleton
+from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
@@ -94,8 +95,10 @@ class Batch:
             torch.autograd.backward(tensors, grads)
 
 
-def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, checkpoint: bool) -> StageRunner:
-    """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``."""
+def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, plan: Plan) -> StageRunner:
+    """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``,
+    run as ``plan`` says (checkpointing, finiteness checks)."""
+    edges = zip(list(stage.recv_ids) + list(stage.send_ids), list(stage.inputs) + list(stage.outputs))
     return StageRunner(
         index=stage.index,
         module=module,
@@ -107,8 +110,10 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         mutated_inputs=stage.mutated_inputs,
         buffers_written=[_owner(module, name) for name in stage.buffers_written],
         name=stage.device,
-        checkpoint=checkpoint,
+        checkpoint=plan.checkpoint,
         extra_inputs=tuple(stage.extra_inputs),
+        check_finite=plan.check_finite,
+        edge_names={k: f"edge {k} ({e.name!r}, stage {e.src} -> stage {e.dst})" for k, e in edges},
     )
 
 

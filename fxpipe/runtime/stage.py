@@ -13,6 +13,8 @@ everything about running a stage once:
 - checkpointing: the forward runs without autograd and is recomputed in backward on
   copies of the buffers it updates (BatchNorm running statistics), so they change once
   per micro-batch as in eager;
+- ``Plan(check_finite=True)``: every floating value it hands on, and every loss, is
+  checked for NaN and Inf (:mod:`~fxpipe.runtime.finite`);
 - the stage's extra arguments, named by role at compile time: ``rng_seed`` (what the
   stage's random ops draw from: the step's seed and the micro-batch's global index, the
   same in a recompute) and ``weight_grads`` (the list a stage whose backward is split
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.runtime import finite
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.streams import carries_grad, leaves, move, wants_grad
 
@@ -49,7 +52,9 @@ class StageRunner:
     and of its output tuple; mutated_inputs: argument positions it writes in place;
     buffers_written: (owning module, name) of the buffers its forward updates in place;
     name: the logical device ("cpu:1") shown in timelines; extra_inputs: the roles of the
-    stage's trailing arguments ("rng_seed", "weight_grads"), in order.
+    stage's trailing arguments ("rng_seed", "weight_grads"), in order; check_finite: raise
+    NonFiniteError on the first NaN/Inf handed on; edge_names: how messages name each
+    edge id.
     """
 
     index: int
@@ -64,6 +69,8 @@ class StageRunner:
     name: str = ""
     checkpoint: bool = False
     extra_inputs: tuple[str, ...] = ()
+    check_finite: bool = False
+    edge_names: dict[int, str] = field(default_factory=dict)
 
     def forward(self, i: int, model_inputs: Sequence[Any], received: Sequence[Any], ctx: StepContext) -> list[Any]:
         """Run micro-batch ``i``; return the values for the send edges (``[]`` for the last
@@ -79,6 +86,8 @@ class StageRunner:
                 ctx.losses[i] = ctx.loss_of(i, out)
         if self.is_last:
             ctx.outputs[i] = _detached(out) if ctx.train else out
+        if self.check_finite:
+            self._check_forward(i, out, ctx)
         if ctx.train:
             ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, store)
         if self.is_last:
@@ -117,6 +126,8 @@ class StageRunner:
                 out = self._call(args)
                 if self.is_last and ctx.loss_of is not None:
                     ctx.losses[i] = ctx.loss_of(i, out)
+            if self.check_finite and i in ctx.losses:
+                finite.check(ctx.losses[i], f"the loss of micro-batch {i}")
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if self.is_last:
@@ -136,7 +147,22 @@ class StageRunner:
             ctx.losses[i] = ctx.losses[i].detach()
         received = args[self.num_model_inputs : len(args) - len(self.extra_inputs)]
         input_grads = [[t.grad if isinstance(t, torch.Tensor) else None for t in leaves(v)] for v in received]
+        if self.check_finite:
+            for edge, grads in zip(self.recv, input_grads):
+                finite.check(grads, f"the gradient stage {self.index} sends back on {self._edge(edge)}", edge)
         return input_grads, store
+
+    def _check_forward(self, i: int, out: Any, ctx: StepContext) -> None:
+        if not self.is_last:
+            for edge, value in zip(self.send, out):
+                finite.check(value, f"the activation stage {self.index} sends on {self._edge(edge)}", edge)
+            return
+        finite.check(out, f"the model's output (stage {self.index})")
+        if i in ctx.losses:
+            finite.check(ctx.losses[i], f"the loss of micro-batch {i}")
+
+    def _edge(self, edge: int) -> str:
+        return self.edge_names.get(edge, f"edge {edge}")
 
     def _extras(self, i: int, ctx: StepContext, store: list | None) -> list[Any]:
         return [ctx.rng_seed(i) if role == "rng_seed" else store for role in self.extra_inputs]
