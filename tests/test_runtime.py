@@ -147,14 +147,18 @@ def test_a_raising_stage_stops_the_others_and_no_thread_leaks_across_failed_step
         raise ValueError("boom")
 
     pipe.stages[1].module.register_forward_hook(boom)
-    threads = None
+    before = set(threading.enumerate())  # other tests' threads, whatever becomes of them
+    kept = None
     for _ in range(20):
         calls.clear()
         with pytest.raises(fxpipe.PipelineError, match=r"stage 1 on cpu:1 failed in F1:0 .*ValueError: boom"):
             pipe.step(x, target=t)
         assert len(calls) == 1  # stage 1 ran once and the step stopped
-        threads = threads or threading.active_count()
-        assert threading.active_count() == threads
+        threads = {worker.thread for worker in pipe._executor._threads.values()}
+        kept = kept or threads
+        assert threads == kept  # a failing (not hung) step keeps its worker threads
+        new = [th for th in threading.enumerate() if th not in before and th not in kept]
+        assert not new, new
 
 
 class Blocks(nn.Module):
