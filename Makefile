@@ -41,6 +41,15 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
 
+# the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10
+# minutes); refuses to run without CUDA
+bench-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('make bench-gpu: no CUDA device on this machine')"
+	$(BIN)/python examples/benchmarks/numerics.py
+	mkdir -p build/gpu
+	$(BIN)/python examples/heterogeneous_placement.py --plot build/gpu/heterogeneous.png
+	$(BIN)/python examples/model_parallel_sweep.py --out build/gpu
+
 # the full fault grid: kill/hang/raise/nan x 4 stages x schedules x 3 fault points, a fresh
 # world per run (about 30 minutes on 2 cores); tests/test_faults.py runs a sample of it
 faults: $(STAMP)
