@@ -66,7 +66,15 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor | None) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
 
 
-def _defer(store: list | None, work: Callable[[], None]) -> None:
+def _defer(ctx: Any, work: Callable[[], None]) -> None:
+    """Run ``work`` now (no store: a plain "B") or append it to the store for "W".
+
+    The Function lets go of the store, and ``work`` must only hold detached tensors: a
+    tensor with its ``grad_fn`` would close a cycle (store -> work -> tensor -> autograd
+    graph -> this Function's ctx -> store) that keeps every activation of the micro-batch
+    alive until Python's garbage collector finds it, which made the forwards after a
+    split backward 1.5x slower."""
+    store, ctx.store = ctx.store, None
     if store is None:
         work()
     else:
@@ -95,6 +103,7 @@ class _Linear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         weight, bias = ctx.params
         gx = grad @ w if ctx.needs_input_grad[0] else None
+        x, grad = x.detach(), grad.detach()
 
         def weights() -> None:
             if weight.requires_grad:
@@ -102,7 +111,7 @@ class _Linear(torch.autograd.Function):
             if bias is not None and bias.requires_grad:
                 accumulate(bias, _rows(grad).sum(0))
 
-        _defer(ctx.store, weights)
+        _defer(ctx, weights)
         return gx, None, None, None
 
 
@@ -124,6 +133,7 @@ class _MatmulRight(torch.autograd.Function):
         x, w = ctx.saved_tensors
         weight, bias = ctx.params
         gx = grad @ w.t() if ctx.needs_input_grad[0] else None
+        x, grad = x.detach(), grad.detach()
 
         def weights() -> None:
             if weight.requires_grad:
@@ -132,7 +142,7 @@ class _MatmulRight(torch.autograd.Function):
                 g = _rows(grad).sum(0) if bias.dim() == 1 else grad
                 accumulate(bias, g)
 
-        _defer(ctx.store, weights)
+        _defer(ctx, weights)
         return gx, None, None, None
 
 
@@ -160,6 +170,7 @@ class _Convolution(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = aten.convolution_backward(grad, x, w, None, *ctx.conv, [True, False, False])[0]
+        x, w, grad = x.detach(), w.detach(), grad.detach()
 
         def weights() -> None:
             want_b = bias is not None and bias.requires_grad
@@ -169,7 +180,7 @@ class _Convolution(torch.autograd.Function):
             if want_b:
                 accumulate(bias, gb)
 
-        _defer(ctx.store, weights)
+        _defer(ctx, weights)
         return (gx,) + (None,) * 9
 
 
@@ -189,11 +200,12 @@ class _Embedding(torch.autograd.Function):
         (indices,) = ctx.saved_tensors
         weight = ctx.weight
         padding_idx, scale = ctx.options
+        grad = grad.detach()
 
         def weights() -> None:
             accumulate(weight, aten.embedding_dense_backward(grad, indices, weight.shape[0], padding_idx, scale))
 
-        _defer(ctx.store, weights)
+        _defer(ctx, weights)
         return None, None, None, None, None
 
 

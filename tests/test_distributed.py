@@ -145,6 +145,11 @@ def two_rank_cases() -> dict:
     pipe = fxpipe.compile(net64, plan, example_inputs=(x64,), loss_fn=CE)
     loss = pipe.step(x64, target=t)
     out["float64"] = {**compare(pipe, ref, eager_loss, loss), "dtype": str(loss.dtype)}
+    # the input's gradient reaches the caller on the rank whose stage reads the input
+    xg, xe = x64.clone().requires_grad_(), x64.clone().requires_grad_()
+    pipe.step(xg, target=t)
+    CE(copy.deepcopy(net64)(xe), t).backward()
+    out["input grad"] = None if xg.grad is None else float((xg.grad - xe.grad).abs().max())
 
     # the caller's autocast reaches every rank, and is part of the input signature: a float32
     # step first, then the same shapes under bf16 autocast
@@ -283,6 +288,7 @@ def test_gpipe_1f1b_interleaved_skip_and_structured_values_match_eager_on_two_ra
         assert r["float64"]["dtype"] == "torch.float64" and r["float64"]["loss_err"] < 1e-12, r["float64"]
         assert r["autocast"]["loss_err"] < 1e-2 and r["autocast"]["grad_err"] < 5e-2, r["autocast"]
     assert first["aux"] is None and second["aux"] < 1e-14
+    assert first["input grad"] < 1e-12 and second["input grad"] is None
     local_loss, local_grads = dropout_case()
     assert first["dropout"]["loss"] == second["dropout"]["loss"] == float(local_loss)  # bitwise
     for r in ranks:

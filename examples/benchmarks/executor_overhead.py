@@ -4,7 +4,9 @@ For each model, in one run (measurements interleaved, medians reported, since th
 machine is noisy):
   eager       gradient accumulation over the same micro-batches, one after another
   1 stage     fxpipe with every node in one stage on the CPU: the executor's overhead
-  2 stages    fxpipe with two CPU stages in two worker threads (1F1B)
+  same device fxpipe with two stages both on the device "cpu" (1F1B): the cost of the cut
+  2 stages    fxpipe with two CPU stages in two worker threads (1F1B), on logical
+              devices cpu:0 and cpu:1 that share the machine's cores
   finite      the same two stages with Plan(check_finite=True): every value handed on
               and every loss checked for NaN/Inf
 Prints a table of median step times, the ratios to eager, and check_finite's ratio to
@@ -61,9 +63,11 @@ def bench(name: str, model: nn.Module, x: torch.Tensor, split: str | list[str], 
     two = build_pipeline(part, model, loss_fn)
     print(f"  2-stage split: {[s.module_range for s in two.stages]}")
     finite = build_pipeline(dataclasses.replace(part, plan=plan.replace(check_finite=True)), model, loss_fn)  # the same cut
+    same = build_pipeline(dataclasses.replace(part, plan=plan.replace(devices=["cpu", "cpu"])), model, loss_fn)
     runs: dict[str, Callable[[], None]] = {
         "eager": lambda: eager_step(eager, x, t, m, loss_fn),
         "1 stage": lambda: one.step(x, target=t),
+        "same device": lambda: same.step(x, target=t),
         "2 stages": lambda: two.step(x, target=t),
         "finite": lambda: finite.step(x, target=t),
     }
@@ -76,7 +80,8 @@ def bench(name: str, model: nn.Module, x: torch.Tensor, split: str | list[str], 
     medians = {k: statistics.median(v) for k, v in samples.items()}
     print(
         f"{name:<28} eager {medians['eager'] * 1e3:8.1f} ms | 1 stage {medians['1 stage'] * 1e3:8.1f} ms "
-        f"({medians['1 stage'] / medians['eager']:.3f}x) | 2 CPU stages {medians['2 stages'] * 1e3:8.1f} ms "
+        f"({medians['1 stage'] / medians['eager']:.3f}x) | 2 stages on cpu {medians['same device'] * 1e3:8.1f} ms "
+        f"({medians['same device'] / medians['eager']:.3f}x) | 2 CPU stages {medians['2 stages'] * 1e3:8.1f} ms "
         f"({medians['2 stages'] / medians['eager']:.3f}x) | check_finite {medians['finite'] * 1e3:8.1f} ms "
         f"({medians['finite'] / medians['2 stages']:.3f}x 2 stages)"
     )
@@ -86,10 +91,12 @@ def bench(name: str, model: nn.Module, x: torch.Tensor, split: str | list[str], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--models", nargs="+", default=["resnet50", "mlp"], choices=["resnet50", "mlp"])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50", "mlp"], choices=["resnet18", "resnet50", "mlp"])
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, micro-batches 4")
+    if "resnet18" in args.models:
+        bench("resnet18 (32x3x64x64)", torchvision.models.resnet18(num_classes=10), torch.randn(32, 3, 64, 64), "auto", 4, args.repeats)
     if "resnet50" in args.models:
         bench("resnet50 (32x3x64x64)", torchvision.models.resnet50(num_classes=10), torch.randn(32, 3, 64, 64), "auto", 4, args.repeats)
     if "mlp" in args.models:
