@@ -31,7 +31,7 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or GPU"
 
-# every figure in docs/results.md's benchmark sections (about 20 minutes on 2 cores)
+# every figure in docs/results.md's benchmark sections (about 35 minutes on 2 cores)
 bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
 	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png
@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
+	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
 
 # the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10
 # minutes); refuses to run without CUDA

@@ -179,7 +179,7 @@ def _keying(node: fx.Node, root: nn.Module | None) -> _Keying | None:
             raise ValueError(f"node '{node.name}' calls module '{target}': pass the graph's root module")
         return _Keying("module") if module_may_draw(_attribute(root, target)) else None
     if node.op == "call_function" and target in _REPLACEMENTS:
-        return _REPLACEMENTS[target]
+        return None if _draws_nothing(node) else _REPLACEMENTS[target]
     if node.op == "call_function" and target in _SCOPED_FUNCTIONS:
         return _Keying("scope")
     ops = overloads_of(node)
@@ -198,6 +198,48 @@ def _keying(node: fx.Node, root: nn.Module | None) -> _Keying | None:
     if _is_user_function(target):
         return _Keying("scope")
     return None
+
+
+def _bound_arguments(node: fx.Node) -> dict[str, Any] | None:
+    """The call's arguments by parameter name, defaults included (None if unknown)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        ops = overloads_of(node)  # a builtin (torch.dropout, F.scaled_dot_product_attention)
+        target = ops[0] if len(ops) == 1 and not _has_signature(target) else target
+    try:
+        if isinstance(target, torch._ops.OpOverload):
+            schema = target._schema.arguments
+            bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+            bound.update(zip((a.name for a in schema), node.args))
+            bound.update(node.kwargs)
+            return bound
+        call = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return None
+    call.apply_defaults()
+    return dict(call.arguments)
+
+
+def _has_signature(target: Any) -> bool:
+    try:
+        inspect.signature(target)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """True for a dropout or attention call whose probability is a literal 0 or whose
+    training flag is a literal False (GPT-2 with ``resid_pdrop=0``, SDPA without
+    ``dropout_p``): it needs no generator, and keying it would cost one per call."""
+    bound = _bound_arguments(node)
+    if bound is None:
+        return False
+    for name in ("p", "dropout_p"):
+        value = bound.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+            return True
+    return any(bound.get(name) is False for name in ("training", "train"))
 
 
 def _attribute(root: nn.Module, target: str) -> Any:

@@ -519,6 +519,32 @@ def test_stage_without_random_ops_is_left_alone():
     assert make_randomness_explicit(gm) is False and gm.code == code
 
 
+class LiteralProbabilities(nn.Module):
+    """Random-looking calls that draw nothing (p = 0, attention without dropout_p) and one
+    that draws (p = 0.1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(x, 0.0) + torch.dropout(x, 0.0, True)
+        q = x.view(x.shape[0], 1, 4, WIDTH // 4)
+        x = x + F.scaled_dot_product_attention(q, q, q).reshape(x.shape)
+        return F.dropout(x, 0.1)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_calls_with_a_literal_zero_probability_draw_nothing_and_are_not_keyed(frontend):
+    gm = _traced(LiteralProbabilities(), torch.randn(3, WIDTH), frontend)
+    assert number_random_ops(gm.graph) == 1  # only the p = 0.1 dropout
+    assert make_randomness_explicit(gm)
+    x = torch.randn(3, WIDTH)
+
+    def run(seed: int) -> torch.Tensor:
+        out = gm(x, seed)
+        return out[0] if isinstance(out, tuple) else out  # export returns a flat tuple
+
+    assert torch.equal(run(keyed.mix(1, 2)), run(keyed.mix(1, 2)))
+    assert not torch.equal(run(keyed.mix(1, 2)), run(keyed.mix(1, 3)))  # the p = 0.1 one draws
+
+
 def test_unnumbered_random_node_is_an_error_that_names_the_fix():
     gm = _traced(DropoutMLP(), torch.randn(3, WIDTH))
     with pytest.raises(ValueError, match="drop1.*number_random_ops on the whole graph before partitioning"):
