@@ -78,6 +78,10 @@ class Pipeline(PipelineBase):
     def _after_load(self) -> None:
         self._placement.sync_replicas()
 
+    def close(self) -> None:
+        """Join the worker threads. The pipeline can still run: a later call starts new ones."""
+        self._executor.close()
+
     @property
     def num_workers(self) -> int:
         return self.part.num_workers

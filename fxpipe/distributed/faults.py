@@ -26,10 +26,12 @@ there; within a stage its last state may be a moment old).
 
 from __future__ import annotations
 
+import atexit
 import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,6 +96,7 @@ class Watchdog:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._beacon = Beacon(store, f"{prefix}state/{rank}")
+        _LIVE.add(self)
 
     def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
         """Name ranks by their stages from now on: ``where(rank, stage)`` describes rank's
@@ -292,9 +295,25 @@ class Watchdog:
             self._thread.start()
         self._jobs.put(job)
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the heartbeat and the wait thread and join them (idempotent; also at exit).
+
+        Waits already handed to the thread finish first: after a step returned, none is
+        pending. A daemon thread left inside a C++ call when the interpreter finalises
+        aborts the process, so no fxpipe thread outlives this."""
+        self._beacon.close(timeout)
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._jobs.put(None)
+            thread.join(timeout)
+        _LIVE.discard(self)
+
     def _serve(self) -> None:
         while True:
-            works, done, outcome = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            works, done, outcome = job
             for work, peer in works:
                 try:
                     work.wait()
@@ -362,3 +381,13 @@ class Watchdog:
             r,
             self.first_stage(r),
         )
+
+
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Join every watchdog's threads before the interpreter finalises (see Watchdog.close)."""
+    for watchdog in list(_LIVE):
+        watchdog.close()

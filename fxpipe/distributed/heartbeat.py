@@ -15,6 +15,7 @@ verify reads as absent.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -53,8 +54,22 @@ class Beacon:
         self._published_stage: int | None = None
         self._lock = threading.Lock()  # one writer at a time, so the store holds the latest state
         self._changed = threading.Event()
-        self._thread = threading.Thread(target=_publish, args=(weakref.ref(self), self._changed), name="fxpipe-heartbeat", daemon=True)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=_publish, args=(weakref.ref(self), self._changed, self._stopped), name="fxpipe-heartbeat", daemon=True
+        )
         self._thread.start()
+        _LIVE.add(self)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop publishing and join the thread (idempotent). A daemon thread still inside
+        the store's C++ client when the interpreter finalises aborts the process
+        ("terminate called without an active exception"), so this runs at exit too."""
+        self._stopped.set()
+        self._changed.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        _LIVE.discard(self)
 
     def set(self, doing: Doing, exact_stage: bool = False) -> None:
         """Make ``doing`` this rank's state; the thread publishes it within ``_MIN_GAP``.
@@ -90,10 +105,10 @@ class Beacon:
         return True
 
 
-def _publish(beacon: weakref.ref, changed: threading.Event) -> None:
+def _publish(beacon: weakref.ref, changed: threading.Event, stopped: threading.Event) -> None:
     """The heartbeat loop, while the beacon lives (a weak reference: the pipeline owning it
-    can be collected) and its store answers."""
-    while True:
+    can be collected), is not closed, and its store answers."""
+    while not stopped.is_set():
         owner = beacon()
         if owner is None:
             return
@@ -101,8 +116,19 @@ def _publish(beacon: weakref.ref, changed: threading.Event) -> None:
         if not owner.write():
             return
         del owner
-        time.sleep(_MIN_GAP)
+        if stopped.wait(_MIN_GAP):
+            return
         changed.wait(BEAT - _MIN_GAP)
+
+
+_LIVE: weakref.WeakSet[Beacon] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Join every heartbeat thread before the interpreter finalises (see Beacon.close)."""
+    for beacon in list(_LIVE):
+        beacon.close()
 
 
 def read_states(store: Any, prefix: str, world: int) -> dict[int, dict | None]:

@@ -120,10 +120,13 @@ class DistributedPipeline(PipelineBase):
             for name, _ in st.module.named_parameters(remove_duplicate=False):
                 holders.setdefault(aliases.get(name, [name])[0], set()).add(self.layout.worker_of(st.index))
         groups = []
+        self._norm_skip: set[str] = set()  # tied weights another worker counts in the global norm
         for name in sorted(holders):
             workers = sorted(holders[name])
             if len(workers) < 2:
                 continue
+            if self.layout.worker != workers[0]:
+                self._norm_skip.add(name)
             for replica in range(self.layout.replicas):
                 ranks = [replica * self.layout.workers + w for w in workers]
                 group = dist.new_group(ranks)
@@ -243,6 +246,29 @@ class DistributedPipeline(PipelineBase):
         self.watchdog.wait([(work, None)], lambda: "the loss", peers=range(self.world_size))
         dtype = _LOSS_DTYPES[round(float(packet[1]) / self.layout.replicas) - 1]
         return packet[0].to(dtype)
+
+    def _counted_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters in the global norm: replica 0's (replicas hold equal
+        gradients after the step), a tied weight on its first holder only."""
+        if self.layout.replica != 0:
+            return []
+        return [p for name, p in self._params.items() if name not in self._norm_skip]
+
+    def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        local = local.to(self.device)
+        if norm_type == float("inf"):
+            work = dist.all_reduce(local, op=dist.ReduceOp.MAX, async_op=True)
+        else:
+            local = local**norm_type
+            work = dist.all_reduce(local, async_op=True)
+        self.watchdog.wait([(work, None)], lambda: "the gradient norm of every rank", peers=range(self.world_size))
+        return local if norm_type == float("inf") else local ** (1.0 / norm_type)
+
+    def close(self) -> None:
+        """Stop fxpipe's threads on this rank (heartbeat, communication waits) and join
+        them. Call it after the last step, before ``destroy_process_group()``; it also
+        runs at interpreter exit. The process group stays: it is the script's."""
+        self.watchdog.close()
 
     def train(self, mode: bool = True) -> DistributedPipeline:
         super().train(mode)

@@ -113,9 +113,13 @@ def _nothing() -> None:
     pass
 
 
-def _retire_all(threads: dict[int, _Thread]) -> None:
+def _retire_all(threads: dict[int, _Thread], timeout: float = 0.0) -> None:
     for thread in threads.values():
         thread.retire()
+    for thread in threads.values():
+        if timeout > 0 and thread.thread is not threading.current_thread():
+            thread.thread.join(timeout)
+    threads.clear()
 
 
 class LocalExecutor:
@@ -129,6 +133,10 @@ class LocalExecutor:
         self._threads: dict[int, _Thread] = {}
         # the threads end with the executor (they hold no reference to it)
         weakref.finalize(self, _retire_all, self._threads)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Retire and join the worker threads (a later run starts new ones)."""
+        _retire_all(self._threads, timeout)
 
     def run(
         self,

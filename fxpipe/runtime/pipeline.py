@@ -280,6 +280,16 @@ class PipelineBase(PipelineViews):
     def _after_load(self) -> None:
         """Called after ``load_state_dict`` wrote new values."""
 
+    def close(self) -> None:
+        """Join the threads this pipeline started; no communication is left pending."""
+        raise NotImplementedError
+
+    def __enter__(self) -> PipelineBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------ module-like API
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under the model's names (this process's share when distributed);
@@ -305,6 +315,45 @@ class PipelineBase(PipelineViews):
                 if key in state:
                     tensor.copy_(state[key].to(tensor.device))
         self._after_load()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """Clip every parameter's gradient by the norm over the whole model, in place.
+
+        The norm is taken over all parameters of the model: every stage, on every rank
+        under torchrun, a weight tied across stages counted once, data-parallel replicas
+        (which hold equal gradients after the step) counted once. Returns the total norm
+        (the same tensor value on every rank), as ``torch.nn.utils.clip_grad_norm_`` on the
+        eager model does; ``norm_type`` may be ``inf``. Raises RuntimeError when the norm is
+        not finite and ``error_if_nonfinite``.
+        """
+        norm_type = float(norm_type)
+        counted = [p.grad for p in self._counted_parameters() if p.grad is not None]
+        if counted:
+            local = torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach).to(torch.float64)
+        else:
+            local = torch.zeros((), dtype=torch.float64)
+        total = self._global_norm(local, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is {float(total)}, so they cannot be clipped; "
+                "pass error_if_nonfinite=False to clip anyway (Plan(check_finite=True) names the first stage that "
+                "produced a non-finite value)"
+            )
+        held = [p for module in self._modules for p in module.parameters() if p.grad is not None]
+        dtype = held[0].grad.dtype if held else (counted[0].dtype if counted else torch.float32)
+        if held:
+            torch.nn.utils.clip_grads_with_norm_(list({id(p): p for p in held}.values()), max_norm, total, foreach=foreach)
+        return total.to(dtype)
+
+    def _counted_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this process adds to the global norm."""
+        return list(self._params.values())
+
+    def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The norm over every process's share, from this one's (float64)."""
+        return local
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for module in self._modules:
