@@ -17,12 +17,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpipe.auto_split import auto_split
 from fxpipe.cost_model import Calibration
 from fxpipe.devices import check_available, default_devices
+from fxpipe.loss_scale import model_losses
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from fxpipe.passes.generalise import check_generalises
-from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH
+from fxpipe.passes.input_slice import input_slice
+from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
@@ -278,10 +280,12 @@ def _cut(
                 buffers_written=written,
             )
         )
+    last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]
     return Partitioned(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
         example_inputs, example_kwargs, list(traced.notes), deps, workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
+        model_losses=model_losses(last, functools.partial(input_slice, gm)),
     )
 
 

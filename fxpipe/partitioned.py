@@ -33,7 +33,9 @@ class Partitioned:
     key: the signature of the call the trace was made for (``key_of(args, kwargs)`` gives a
     call's in the same terms); anchors: where each stage after the first begins, to cut
     another signature's trace at the same places; calibration: the per-kind rates
-    ``fxpipe.profile`` measured, if a profile was given.
+    ``fxpipe.profile`` measured, if a profile was given; model_losses: the loss calls the
+    last stage makes (a model computing its own loss), with the slice that computes their
+    targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None.
     """
 
     plan: Plan
@@ -52,6 +54,7 @@ class Partitioned:
     key_of: Callable[..., Any] | None = None
     anchors: list[Any] = field(default_factory=list)
     calibration: Calibration | None = None
+    model_losses: Any = None
 
     @property
     def num_workers(self) -> int:

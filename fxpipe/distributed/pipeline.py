@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe import microbatch
 from fxpipe.compiler import partition_like
 from fxpipe.distributed import comm, startup
 from fxpipe.distributed.faults import RankFailedError, Watchdog
@@ -221,11 +220,14 @@ class DistributedPipeline(PipelineBase):
         except comm.CommPlanError as err:
             raise PlanError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
 
-    def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
+    def _holds_last(self) -> bool:
+        return self.is_last
+
+    def _loss_function(self, loss_fn: Any, batch: Batch, counted: bool = False) -> Any:
         if not self.is_last:
             return None
-        targets = [move(t, self.device, detach=True) for t in batch.targets]  # the target goes where the last stage's output is
-        return microbatch.weighted_loss(loss_fn, batch.program.part.build_output, targets, weights)
+        batch.targets = [move(t, self.device, detach=True) for t in batch.targets]  # the target goes where the last stage's output is
+        return super()._loss_function(loss_fn, batch, counted)
 
     def _output(self, batch: Batch, ctx: StepContext) -> Any:
         """The model's output on the ranks holding the last stage (this replica's shard of

@@ -77,6 +77,8 @@ class StepContext:
     so a stage that outlives a failed call cannot touch the next one.
     step_seed: drawn once per call from the caller's global generator when the pipeline
     has random ops; every random op draws from (step_seed, global micro-batch index, op).
+    last_stage_scaling(i): the context of micro-batch i's last-stage forward when the model
+    computes its own loss (see :meth:`loss_scaling`).
     """
 
     train: bool
@@ -89,6 +91,14 @@ class StepContext:
     saved: dict[tuple[int, int], tuple[list, Any, list | None]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], list] = field(default_factory=dict)
     step_seed: int = 0
+    last_stage_scaling: Callable[[int], contextlib.AbstractContextManager] | None = None
+
+    def loss_scaling(self, i: int) -> contextlib.AbstractContextManager:
+        """The context the last stage computes micro-batch ``i`` in: a model's own loss
+        calls scaled to the step's counts (``fxpipe.loss_scale``), or nothing."""
+        if self.last_stage_scaling is None or not self.train:
+            return _NOTHING
+        return self.last_stage_scaling(i)
 
     def rng_seed(self, i: int) -> int:
         """The seed micro-batch ``i``'s random ops draw from: the step's seed moved along by

@@ -10,6 +10,7 @@ schedule cache and the call/step flow. A subclass says how one call executes
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe import microbatch
+from fxpipe import loss_scale, microbatch
 from fxpipe.placement import skeleton
 from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
@@ -60,6 +61,7 @@ class Batch:
     whole: Any = None  # the flat inputs before the cut
     call: tuple[tuple, dict] = ((), {})  # the call's own arguments
     program: Program | None = None  # the compiled stages of the call's signature
+    step: list[tuple[list, Any, int]] = field(default_factory=list)  # every replica's (inputs, target, size)
 
     def input_gradient_leaves(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
         """Give every micro-batch piece of an input that requires grad its own autograd leaf.
@@ -206,15 +208,20 @@ class PipelineBase(PipelineViews):
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism),
-        with the compiled stages of the call's signature."""
+        with the compiled stages of the call's signature; ``Batch.step`` holds every
+        replica's micro-batches (for the step's loss counts)."""
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
+        shards = [(flat, target)]
         if self.replicas > 1:
-            shards, targets, _ = microbatch.split_step(flat, target, self.replicas)
-            flat, target = shards[self.replica], targets[self.replica]
-        inputs, targets, sizes = microbatch.split_step(flat, target, self.plan.microbatches)
-        return Batch(inputs, targets, sizes, total, self.replica * len(inputs), flat, (args, kwargs), program)
+            pieces, targets, _ = microbatch.split_step(flat, target, self.replicas)
+            shards = list(zip(pieces, targets))
+        cuts = [microbatch.split_step(f, t, self.plan.microbatches) for f, t in shards]
+        inputs, targets, sizes = cuts[self.replica]
+        batch = Batch(inputs, targets, sizes, total, self.replica * len(inputs), shards[self.replica][0], (args, kwargs), program)
+        batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
+        return batch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
@@ -243,13 +250,48 @@ class PipelineBase(PipelineViews):
         """
         loss_fn = loss_fn or self.loss_fn
         batch = self._split(args, kwargs, target)
-        weights = microbatch.loss_weights(batch.sizes, loss_fn, total=batch.total, scale=self.replicas)
-        loss_of = self._loss_function(loss_fn, batch, weights)
+        scaling = None
+        if loss_fn is None and self._holds_last():
+            counts = self._model_loss_counts(batch)
+            scaling = counts.scaled if counts is not None else None
+        loss_of = self._loss_function(loss_fn, batch, scaling is not None)
         wanted = batch.input_gradient_leaves()
         ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first, random=self._random)
+        if scaling is not None:
+            ctx.last_stage_scaling = lambda i: scaling(batch.sizes[i])
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
         return self._step_loss(ctx)
+
+    def _holds_last(self) -> bool:
+        """Whether this process runs the last stage (where the loss is computed)."""
+        return True
+
+    def _model_loss_counts(self, batch: Batch) -> loss_scale.StepCounts | None:
+        """The counts of the loss calls a model computing its own loss makes in its last
+        stage, over the whole step; None (with a warning, once) when they cannot be known."""
+        losses = batch.program.part.model_losses
+        if losses is None:
+            return None
+        try:
+            return loss_scale.add_counts((losses.count(f) for f, _, _ in batch.step), batch.total)
+        except Exception as err:  # noqa: BLE001 - any failure: the per-sample rule, said once
+            self._warn_normalisation(err)
+            return None
+
+    def _warn_normalisation(self, err: BaseException) -> None:
+        if not getattr(self, "_normalisation_warned", False):
+            self._normalisation_warned = True
+            warnings.warn(loss_scale.fallback_message(err), stacklevel=4)
+
+    def _loss_function(self, loss_fn: Any, batch: Batch, counted: bool = False) -> Any:
+        """``loss_of(i, output)`` for this step: micro-batch i's loss term. With a
+        ``loss_fn``, its reduced loss calls are counted over the step on the first call;
+        ``counted``: the model's own loss calls are counted already."""
+        return loss_scale.step_loss(
+            loss_fn, batch.program.part.build_output, batch.targets, batch.sizes, batch.total, self.replicas,
+            batch.step, counted, self._warn_normalisation,
+        )
 
     def _merged(self, batch: Batch, outputs: list[Any]) -> Any:
         """The model's output for the whole batch from the last stage's per micro-batch:
@@ -264,9 +306,6 @@ class PipelineBase(PipelineViews):
             self._batched[key] = microbatch.batched_outputs(self._model, args, kwargs)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge)
-
-    def _loss_function(self, loss_fn: Any, batch: Batch, weights: list[float]) -> Any:
-        return microbatch.weighted_loss(loss_fn, batch.program.part.build_output, batch.targets, weights)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError

@@ -81,7 +81,7 @@ class StageRunner:
         store: list | None = [] if "weight_grads" in self.extra_inputs else None
         args += self._extras(i, ctx, store)
         with torch.set_grad_enabled(ctx.grad_enabled and not recompute), ctx.autocast.applied():
-            out = self._call(args)
+            out = self._call(args, ctx, i)
             if self.is_last and ctx.train and ctx.loss_of is not None and not recompute:
                 ctx.losses[i] = ctx.loss_of(i, out)
         if self.is_last:
@@ -123,7 +123,7 @@ class StageRunner:
         if self.checkpoint:
             # random ops draw from the same (seed, key) as in the forward: the same masks
             with torch.enable_grad(), ctx.autocast.applied(), self._buffers_restored():
-                out = self._call(args)
+                out = self._call(args, ctx, i)
                 if self.is_last and ctx.loss_of is not None:
                     ctx.losses[i] = ctx.loss_of(i, out)
             if self.check_finite and i in ctx.losses:
@@ -167,9 +167,12 @@ class StageRunner:
     def _extras(self, i: int, ctx: StepContext, store: list | None) -> list[Any]:
         return [ctx.rng_seed(i) if role == "rng_seed" else store for role in self.extra_inputs]
 
-    def _call(self, args: list[Any]) -> Any:
+    def _call(self, args: list[Any], ctx: StepContext, i: int) -> Any:
         if self.mutated_inputs:
             args = [a.clone() if k in self.mutated_inputs and isinstance(a, torch.Tensor) else a for k, a in enumerate(args)]
+        if self.is_last:
+            with ctx.loss_scaling(i):
+                return self.module(*args)
         return self.module(*args)
 
     @contextlib.contextmanager
