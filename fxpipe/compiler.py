@@ -23,7 +23,7 @@ from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from fxpipe.passes.generalise import check_generalises
-from fxpipe.passes.input_slice import input_slice
+from fxpipe.passes.input_slice import input_slice, output_inputs
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
@@ -285,7 +285,7 @@ def _cut(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
         example_inputs, example_kwargs, list(traced.notes), deps, workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
-        model_losses=model_losses(last, functools.partial(input_slice, gm)),
+        model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
     )
 
 

@@ -227,11 +227,27 @@ def check_output_merge(output_merge: Mapping[str, str], batched: Mapping[str, bo
 
 
 # ------------------------------------------------------------------ merging
+def unbatched_paths(output: Any, output_inputs: list[frozenset[int]] | None, flat_inputs: list) -> frozenset[str]:
+    """The paths of ``output``'s leaves that depend on no input cut into micro-batches
+    (``output_inputs``: per leaf, the flat input positions it reads, from the graph): the
+    same in every micro-batch, so returned once."""
+    leaves = _leaves_with_paths(output)
+    if output_inputs is None or len(output_inputs) != len(leaves):
+        return frozenset()
+    n = batch_size(flat_inputs)
+    cut = {
+        k for k, value in enumerate(flat_inputs)
+        if any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n for t in pytree.tree_leaves(value))
+    }
+    return frozenset(path_of(key_path) for (key_path, _), reads in zip(leaves, output_inputs) if not reads & cut)
+
+
 def merge(
     outputs: list[Any],
     sizes: list[int] | None = None,
     batched: Mapping[str, bool] | None = None,
     output_merge: Mapping[str, str] | None = None,
+    once: frozenset[str] = frozenset(),
 ) -> Any:
     """Put micro-batch outputs (of the model's structure) back together.
 
@@ -240,8 +256,10 @@ def merge(
     A tensor with an ``output_merge`` entry is merged as it says ("cat" along dim 0,
     "stack" on a new dim 0, "sum", or "mean": the micro-batch values weighted by their
     sizes, so a mean-reduced loss equals its full-batch value); other batched tensors are
-    concatenated along dim 0. Leaves that are not tensors are kept from the first
-    micro-batch when all agree, and returned as a list otherwise. ``batched=None`` (no
+    concatenated along dim 0. Tensors in ``once`` (they depend on no input that was cut,
+    :func:`unbatched_paths`) are returned once, from the first micro-batch. Leaves that
+    are not tensors are kept from the first micro-batch when all agree, and returned as a
+    list otherwise. ``batched=None`` (no
     compile-time answer) concatenates every tensor with a dim 0, as before.
 
     Raises MicrobatchError for a tensor output that is not batched and has no
@@ -256,7 +274,11 @@ def merge(
     merged = []
     for column in zip(*flat):
         values = [leaf for _, leaf in column]
-        merged.append(_merge_leaf(path_of(column[0][0]), values, sizes, batched, output_merge))
+        path = path_of(column[0][0])
+        if path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
+            merged.append(values[0])
+        else:
+            merged.append(_merge_leaf(path, values, sizes, batched, output_merge))
     return pytree.tree_unflatten(merged, spec)
 
 

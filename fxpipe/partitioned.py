@@ -35,7 +35,8 @@ class Partitioned:
     another signature's trace at the same places; calibration: the per-kind rates
     ``fxpipe.profile`` measured, if a profile was given; model_losses: the loss calls the
     last stage makes (a model computing its own loss), with the slice that computes their
-    targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None.
+    targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None;
+    output_inputs: per output leaf, the model inputs (flat positions) it depends on.
     """
 
     plan: Plan
@@ -55,6 +56,7 @@ class Partitioned:
     anchors: list[Any] = field(default_factory=list)
     calibration: Calibration | None = None
     model_losses: Any = None
+    output_inputs: list[frozenset[int]] | None = None
 
     @property
     def num_workers(self) -> int:

@@ -178,16 +178,18 @@ class PipelineBase(PipelineViews):
 
     def _first_program(self, runners: dict[int, StageRunner], **extra: Any) -> None:
         """Register the compile-time partition as the program of its signature."""
-        key = self.part.key.batch_free() if self.part.key is not None else None
+        key = (self.part.key.batch_free(), self.training) if self.part.key is not None else None
         edge_ends = [(e.src, e.dst) for e in self.part.partitioned.edges]
         self._programs[key] = Program(self.part, runners, edge_ends, **extra)
 
     def _program(self, args: tuple, kwargs: dict) -> Program:
-        """The compiled stages for this call's input signature: cached, or traced and cut
-        now (once per signature; the stage boundaries and parameters are the first's)."""
+        """The compiled stages for this call's input signature and train/eval mode: cached,
+        or traced and cut now (once per signature and mode, so a forward's Python reads of
+        ``self.training`` follow ``pipe.eval()``; the stage boundaries and parameters are
+        the first's)."""
         if self.part.key_of is None:
             return next(iter(self._programs.values()))
-        key = self.part.key_of(args, kwargs).batch_free()
+        key = (self.part.key_of(args, kwargs).batch_free(), self.training)
         if key not in self._programs:
             self._programs[key] = self._compile_program(args, kwargs)
         return self._programs[key]
@@ -197,8 +199,11 @@ class PipelineBase(PipelineViews):
 
     @property
     def signatures(self) -> list[str]:
-        """The input signatures compiled so far, the compile-time one first."""
-        return [p.part.key.brief() if p.part.key is not None else "(any)" for p in self._programs.values()]
+        """The input signatures compiled so far, each with its mode, the compile-time one first."""
+        return [
+            f"{p.part.key.brief()} ({'train' if key[1] else 'eval'})" if p.part.key is not None else "(any)"
+            for key, p in self._programs.items()
+        ]
 
     def summary(self) -> str:
         """The partition's table, and the input signatures compiled so far."""
@@ -305,7 +310,8 @@ class PipelineBase(PipelineViews):
             args, kwargs = batch.call
             self._batched[key] = microbatch.batched_outputs(self._model, args, kwargs)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
-        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge)
+        once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
+        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError
