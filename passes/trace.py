@@ -530,8 +530,23 @@ def _dynamic_batch_shapes(bound: inspect.BoundArguments) -> dict[str, Any] | Non
     return shapes
 
 
+def _batch_of_one_doubled(bound: inspect.BoundArguments) -> inspect.BoundArguments:
+    """The arguments with every batch-sized tensor repeated to 2 rows when the batch is 1:
+    export specialises a size-1 dim to the constant 1, which would break every other batch
+    size (and micro-batch size) the trace is meant to run."""
+    leaves = [x for x in pytree.tree_leaves(dict(bound.arguments)) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not leaves or leaves[0].shape[0] != 1:
+        return bound
+    doubled = pytree.tree_map_only(
+        torch.Tensor, lambda x: torch.cat([x, x]) if x.dim() > 0 and x.shape[0] == 1 else x, dict(bound.arguments)
+    )
+    return inspect.BoundArguments(bound.signature, doubled)
+
+
 def _trace_export(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments, dynamic_batch: bool) -> Traced:
     notes: list[str] = []
+    if dynamic_batch:
+        bound = _batch_of_one_doubled(bound)
     # every argument is passed, defaults included: a tensor default is an input, never a
     # constant baked into the graph (a call that overrides it must be seen)
     args, kwargs = bound.args, bound.kwargs
@@ -602,7 +617,7 @@ def _clean_path(path: str) -> str:
 # ------------------------------------------------------------------------- errors
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 def _user_frame(err: BaseException) -> tuple[str, str] | None:

@@ -119,6 +119,30 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
     )
 
 
+def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Exception:
+    """``err`` (a failed trace for a new input signature) with what differs from the
+    compiled signature in front, and the fix for a left-out argument."""
+    differences = compiled.differences(call) if compiled is not None else []
+    if not differences:
+        return err
+    left_out = [d.split(":")[0] for d in differences if d.endswith("-> None")]
+    fix = (
+        f" To run without {', '.join(left_out)}, make the trace work for it (the error below says where "
+        f"it failed), or pass {', '.join(left_out)} as at compile time."
+        if left_out else ""
+    )
+    message = (
+        f"this call's input signature differs from the compiled one ({'; '.join(differences)}), so fxpipe traced "
+        f"the model again for it, and that failed.{fix}\n{err}"
+    )
+    try:
+        wrapped = type(err)(message)
+    except Exception:  # noqa: BLE001 - an exception class that takes other arguments
+        return err
+    wrapped.__dict__.update(err.__dict__)
+    return wrapped
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """(the submodule holding buffer ``name``, its attribute name)."""
     path, _, attr = name.rpartition(".")
@@ -189,9 +213,13 @@ class PipelineBase(PipelineViews):
         the first's)."""
         if self.part.key_of is None:
             return next(iter(self._programs.values()))
-        key = (self.part.key_of(args, kwargs).batch_free(), self.training)
+        call_key = self.part.key_of(args, kwargs)
+        key = (call_key.batch_free(), self.training)
         if key not in self._programs:
-            self._programs[key] = self._compile_program(args, kwargs)
+            try:
+                self._programs[key] = self._compile_program(args, kwargs)
+            except Exception as err:
+                raise _with_signature_context(err, self.part.key, call_key) from err
         return self._programs[key]
 
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
