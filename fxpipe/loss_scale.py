@@ -279,7 +279,7 @@ def fallback_message(err: BaseException) -> str:
         f"fxpipe: the loss's normalisation over the step could not be counted ({type(err).__name__}: "
         f"{text[0] if text else ''}); each micro-batch's loss is weighted by its share of the samples, which "
         "equals the full-batch loss only when every sample counts alike (no ignore_index padding, no class "
-        "weights). See docs/llm-training.md, 'How losses are normalised'"
+        "weights). See docs/training-loop.md, 'How losses are normalised'"
     )
 
 

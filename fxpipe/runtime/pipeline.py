@@ -273,9 +273,10 @@ class PipelineBase(PipelineViews):
         """One training step's forward and backward on the schedule; returns the loss.
 
         Every parameter's ``.grad`` accumulates exactly what eager
-        ``loss_fn(model(*args), target).backward()`` gives (micro-batch losses are weighted
-        by their share of the batch, so uneven micro-batches still sum to the full-batch
-        loss); an input with ``requires_grad`` gets its ``.grad`` as in eager. Without a loss
+        ``loss_fn(model(*args), target).backward()`` gives on the full batch, however it is
+        cut: a token-mean loss (``ignore_index`` padding, class weights), from ``loss_fn`` or
+        from the model's own ``labels=`` loss, is the step's sum over the step's count
+        (docs/training-loop.md); an input with ``requires_grad`` gets its ``.grad`` as in eager. Without a loss
         function the model's output must be a scalar loss. Gradients are computed under
         ``torch.no_grad()`` too (a step is a backward); the caller's autocast applies to
         every stage and to the loss. Raises MicrobatchError for more micro-batches than
