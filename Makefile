@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lint bench bench-gpu faults clean install
+.PHONY: demo test test-gpu test-llm lint bench bench-gpu faults soak clean install
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or GPU"
 
+# every LLM family x torchrun layout against eager (tests/test_llm_torchrun.py, slow cases
+# included), the families' trace-level grid, and two torchrun agents as two hosts
+# (about 20 minutes on 2 cores); the command line's -m replaces pyproject's -m 'not slow'
+test-llm: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_multinode.py
+
 # every figure in docs/results.md's benchmark sections (about 35 minutes on 2 cores)
 bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
@@ -55,6 +61,11 @@ bench-gpu: $(STAMP)
 # world per run (about 30 minutes on 2 cores); tests/test_faults.py runs a sample of it
 faults: $(STAMP)
 	$(BIN)/python examples/benchmarks/faults.py
+
+# 200 short 2-rank torchrun jobs under a busy loop per core, counting clean exits, aborts
+# (SIGABRT at exit), other failures and hangs; tests/test_soak.py runs a 6-job sample
+soak: $(STAMP)
+	$(BIN)/python examples/benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,8 +3,10 @@ classes (no hub downloads), with their inputs at any batch size and sequence len
 
 Each :class:`Family` gives a model builder, ``inputs(batch, length, generator)`` (the
 forward's keyword arguments), split points by module path (>= 2 stages) and three sequence
-lengths to check. Dropout is off in every config so eager and pipelines are comparable
-value for value. Reused by the compiler's per-signature tests.
+lengths to check. The builders take ``layers``, ``width`` and ``heads`` (defaults: the small
+models the families use). Dropout is off in every config so eager and pipelines are
+comparable value for value. Reused by the compiler's per-signature tests and by the torchrun
+tests (tests/test_llm_torchrun.py).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def seq2seq_inputs(batch: int, length: int, g: torch.Generator) -> dict[str, tor
     return {"input_ids": _ids(batch, length, g), "decoder_input_ids": _ids(batch, max(2, length // 2), g)}
 
 
-def gpt2(layers: int = 3, dropout: float = 0.0) -> nn.Module:
+def gpt2(layers: int = 3, dropout: float = 0.0, width: int = WIDTH, heads: int = 2) -> nn.Module:
     config = transformers.GPT2Config(
-        n_layer=layers, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=64,
+        n_layer=layers, n_embd=width, n_head=heads, vocab_size=VOCAB, n_positions=64,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False, **SPECIAL,
     )
     return transformers.GPT2LMHeadModel(config)
@@ -73,45 +75,47 @@ def gpt_neo() -> nn.Module:
     return transformers.GPTNeoForCausalLM(config)
 
 
-def opt() -> nn.Module:
+def opt(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
     config = transformers.OPTConfig(
-        num_hidden_layers=2, hidden_size=WIDTH, ffn_dim=64, num_attention_heads=2, word_embed_proj_dim=WIDTH,
+        num_hidden_layers=layers, hidden_size=width, ffn_dim=2 * width, num_attention_heads=heads, word_embed_proj_dim=width,
         vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, use_cache=False, **SPECIAL,
     )
     return transformers.OPTForCausalLM(config)
 
 
-def _llama_like(config_class: type, model_class: type, layers: int = 2, **extra) -> nn.Module:
+def _llama_like(config_class: type, model_class: type, layers: int = 2, width: int = WIDTH, heads: int = 2, **extra) -> nn.Module:
     config = config_class(
-        num_hidden_layers=layers, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         vocab_size=VOCAB, max_position_embeddings=64, use_cache=False, **SPECIAL, **extra,
     )
     return model_class(config)
 
 
-def llama(layers: int = 2) -> nn.Module:
-    return _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM, layers)
+def llama(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
+    return _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM, layers, width, heads)
 
 
-def mistral() -> nn.Module:
-    return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=6)
+def mistral(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
+    return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, layers, width, heads, sliding_window=6)
 
 
-def qwen2() -> nn.Module:
-    return _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+def qwen2(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
+    return _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, layers, width, heads)
 
 
-def bert() -> nn.Module:
+def bert(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
     config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=2, vocab_size=VOCAB,
+        num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads, vocab_size=VOCAB,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=2,
     )
     return transformers.BertForMaskedLM(config)
 
 
-def t5() -> nn.Module:
+def t5(layers: int = 2, width: int = WIDTH, heads: int = 2) -> nn.Module:
+    """``layers`` encoder blocks and as many decoder blocks."""
     config = transformers.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=WIDTH, d_kv=16, d_ff=64, num_heads=2, vocab_size=VOCAB,
+        num_layers=layers, num_decoder_layers=layers, d_model=width, d_kv=width // heads, d_ff=2 * width, num_heads=heads, vocab_size=VOCAB,
         dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, **SPECIAL,
     )
     return transformers.T5ForConditionalGeneration(config)
