@@ -138,11 +138,16 @@ def rule_of(target: Any) -> LossRule | None:
 
 
 class _LossCalls(TorchFunctionMode):
-    """Hands every reduced call of a known loss to ``on_call(rule, func, bound)``."""
+    """Hands every reduced call of a known loss to ``on_call(rule, func, bound)``.
 
-    def __init__(self, on_call: Callable[[LossRule, Callable, dict], torch.Tensor]) -> None:
+    meta_mixed: any other call that mixes meta tensors with real ones runs on meta copies
+    of the real ones (counting runs a loss on a meta output and real targets: ``out - t``
+    is a meta value, while a target that only the target makes stays real)."""
+
+    def __init__(self, on_call: Callable[[LossRule, Callable, dict], torch.Tensor], meta_mixed: bool = False) -> None:
         super().__init__()
         self.on_call = on_call
+        self.meta_mixed = meta_mixed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,7 +156,16 @@ class _LossCalls(TorchFunctionMode):
             bound = rule.bind(args, kwargs)
             if rule.reduction(bound) is not None:
                 return self.on_call(rule, func, bound)
+        if self.meta_mixed:
+            args, kwargs = _all_meta_if_mixed(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _all_meta_if_mixed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        return args, kwargs
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else t.to("meta"), (args, kwargs))
 
 
 class NormalisationError(RuntimeError):
@@ -198,7 +212,7 @@ def count_calls(run: Callable[[], Any]) -> tuple[list[str], list[float]]:
         counts.append(rule.count(bound))
         return torch.zeros((), device="meta")
 
-    with torch.no_grad(), _LossCalls(on_call):
+    with torch.no_grad(), _LossCalls(on_call, meta_mixed=True):
         run()
     return reductions, counts
 

@@ -118,7 +118,7 @@ def test_mean_of_a_mean_reduced_loss_over_uneven_microbatches_is_the_full_batch_
     logits, aux = merge(outputs, sizes, batched_outputs(model, (X,)), {"1": "mean"})
     with torch.no_grad():
         full_logits, full_aux = model(X)
-    torch.testing.assert_close(logits, full_logits, rtol=0, atol=0)
+    torch.testing.assert_close(logits, full_logits, rtol=1e-14, atol=1e-15)  # BLAS blocks by batch size
     torch.testing.assert_close(aux, full_aux, rtol=1e-14, atol=0)
     assert aux.dim() == 0
 

@@ -217,9 +217,14 @@ class PipelineBase(PipelineViews):
         key = (call_key.batch_free(), self.training)
         if key not in self._programs:
             try:
-                self._programs[key] = self._compile_program(args, kwargs)
+                program = self._compile_program(args, kwargs)
             except Exception as err:
                 raise _with_signature_context(err, self.part.key, call_key) from err
+            for runner in program.runners.values():  # a program made for a mode runs in that mode
+                runner.module.train(self.training)
+            for sk in program.skeletons:
+                sk.train(self.training)
+            self._programs[key] = program
         return self._programs[key]
 
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
