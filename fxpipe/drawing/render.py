@@ -25,7 +25,8 @@ SOURCE_SUFFIXES = (".dot", ".gv")
 # What each renderer writes, by file extension.
 GRAPHVIZ_FORMATS = ("svg", "png", "pdf", "jpg", "jpeg")
 MATPLOTLIB_FORMATS = ("svg", "png", "pdf", "jpg", "jpeg")
-DPI = 96
+RASTER_FORMATS = ("png", "jpg", "jpeg")
+DPI = 96  # pixels per inch of raster pictures
 MAX_PIXELS = 30000  # the longest side of a PNG; Agg refuses beyond 2**16
 
 
@@ -79,7 +80,10 @@ def draw_diagram(diagram: Diagram, path: str | Path, renderer: str = "auto") -> 
 
 
 def _render_graphviz(source: str, path: Path, fmt: str) -> None:
-    command = ["dot", f"-T{fmt}", f"-Gdpi={DPI}", "-o", str(path)]
+    # The resolution is a raster setting: Graphviz 2.43 scales an SVG's drawing by it but
+    # not its viewBox, which clips the picture, so vector formats keep their points.
+    resolution = [f"-Gdpi={DPI}"] if fmt in RASTER_FORMATS else []
+    command = ["dot", f"-T{fmt}", *resolution, "-o", str(path)]
     done = subprocess.run(command, input=source, text=True, capture_output=True, check=False)
     if done.returncode != 0:
         raise DrawError(f"Graphviz failed drawing {path.name}: {done.stderr.strip()}")
@@ -93,6 +97,7 @@ NODE_GAP = 18.0
 RANK_GAP = 34.0
 CLUSTER_PAD = 12.0
 CLUSTER_TITLE = 22.0
+CLUSTER_FONT = FONT * 1.2
 TITLE = 30.0
 
 
@@ -177,10 +182,12 @@ def layout(diagram: Diagram) -> Layout:
             point for link, route in zip(diagram.links, routes)
             if cluster_of[link.src] == cluster_of[link.dst] == cluster.index for point in route[1:-1]
         ]
+        left = min(p.x - p.width / 2 for p in members) - CLUSTER_PAD
+        title_right = left + len(cluster.title) * CLUSTER_FONT * 0.62 + 2 * PAD  # the frame holds its title
         frames[cluster.index] = (
-            min(p.x - p.width / 2 for p in members) - CLUSTER_PAD,
+            left,
             min(p.y - p.height / 2 for p in members) - CLUSTER_PAD - CLUSTER_TITLE,
-            max([p.x + p.width / 2 for p in members] + [x for x, _ in inside]) + CLUSTER_PAD,
+            max([p.x + p.width / 2 for p in members] + [x for x, _ in inside] + [title_right - CLUSTER_PAD]) + CLUSTER_PAD,
             max([p.y + p.height / 2 for p in members] + [y for _, y in inside]) + CLUSTER_PAD,
         )
     corners = [(p.x + p.width / 2, p.y + p.height / 2) for p in placed.values()]
@@ -289,7 +296,7 @@ def _render_matplotlib(diagram: Diagram, path: Path) -> None:
                 facecolor=cluster.fill, edgecolor=cluster.border, linewidth=1.0, zorder=0,
             )
         )
-        ax.text(left + PAD, top + CLUSTER_TITLE / 2 + 2, cluster.title, fontsize=FONT * 1.2, weight="bold", va="center", zorder=1)
+        ax.text(left + PAD, top + CLUSTER_TITLE / 2 + 2, cluster.title, fontsize=CLUSTER_FONT, weight="bold", va="center", zorder=1)
     styles = {"box": "round,pad=0,rounding_size=5", "port": "rarrow,pad=0", "io": "round,pad=0,rounding_size={r}"}
     for box in diagram.boxes:
         p = placed.boxes[box.id]
