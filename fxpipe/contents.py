@@ -140,9 +140,14 @@ def outline(pieces: Sequence[Piece]) -> list[str]:
 
 def stage_contents(paths_per_stage: Sequence[Sequence[str]]) -> list[list[str]]:
     """Returns, per stage, what it runs as module names and ranges (see the module's
-    docstring); ``["(root)"]`` for a stage that runs only the model's own forward code."""
+    docstring). A stage that runs no module's children, only containers' own forward code,
+    names those containers (``transformer (its own operations)``); ``(root)`` the model's."""
     tree = ModuleTree(paths_per_stage)
-    return [outline(tree.pieces(s)) or ["(root)"] for s in range(len(paths_per_stage))]
+    contents = []
+    for stage, paths in enumerate(paths_per_stage):
+        own = [f"{p} (its own operations)" for p in dict.fromkeys(paths) if p]
+        contents.append(outline(tree.pieces(stage)) or own or ["(root)"])
+    return contents
 
 
 # ------------------------------------------------------------ crossing values
