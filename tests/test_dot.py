@@ -55,7 +55,8 @@ def test_stage_view_is_a_box_per_stage_with_modules_params_flops_and_edge_totals
     for index in range(3):
         assert f"<B>stage {index} · cpu:{index}</B>" in source
     assert "stage0 -> stage2" in source
-    assert "stage0 -> stage2 [label=<1 tensor · 384 B<BR/>192 B per micro-batch<BR/>stem f32[6, 16]>" in source
+    pad = "\u00a0\u00a0"  # three stages stack downwards: a label keeps clear of its arrow
+    assert f"stage0 -> stage2 [label=<{pad}1 tensor · 384 B<BR/>{pad}192 B per micro-batch<BR/>{pad}stem f32[6, 16]>" in source
     assert "<B>stage 1 · cpu:1</B><BR/>body<BR/>" in source  # the whole Sequential, not its children
     assert "params" in source and "FLOP forward per batch" in source
 

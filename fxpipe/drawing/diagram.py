@@ -233,8 +233,9 @@ def _module_class(module: fx.GraphModule, target: str) -> str:
 # ----------------------------------------------------------------- stage view
 def _stage_diagram(part: Partitioned) -> Diagram:
 
-    # A row of stages reads best up to four; more stack downwards.
-    rankdir = "LR" if part.num_stages <= 4 else "TB"
+    # Two stages read best side by side; more stack downwards, so a page's width holds
+    # the boxes and the labels of the arrows between them.
+    rankdir = "LR" if part.num_stages <= 2 else "TB"
     diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", rankdir)
     inputs = [n for n in part.graph.nodes if n.op == "placeholder"]
     if inputs:
