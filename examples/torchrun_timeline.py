@@ -9,6 +9,8 @@ process per rank, the messages between ranks as flow arrows).
 
     .venv/bin/torchrun --nproc-per-node 4 examples/torchrun_timeline.py \\
         [--schedule 1f1b] [--microbatches 8] [--out docs/img]
+
+``--smoke``: a 2-layer model, 2 micro-batches, one step (for tests).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for torchrun-timeline.png and torchrun-trace.json")
+    parser.add_argument("--smoke", action="store_true", help="a 2-layer model, 2 micro-batches, one step (for tests)")
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.microbatches, args.steps = 2, 2, 1
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    ids = torch.randint(0, 1024, (16, 64))
+    ids = torch.randint(0, 1024, (4, 16) if args.smoke else (16, 64))
     devices = stage_devices(int(os.environ["WORLD_SIZE"]))  # one stage per rank
     plan = fxpipe.Plan(devices=devices, split="auto", schedule=args.schedule, microbatches=args.microbatches)
     pipe = fxpipe.compile(gpt2(layers=args.layers), plan, example_inputs=(ids,), loss_fn=next_token_loss)

@@ -312,3 +312,15 @@ def test_inspect_html_is_one_page_a_real_browser_renders(model_folder, tmp_path,
     assert _share(image, diagram._FILLS[0]) > 0.002 and _share(image, diagram._FILLS[1]) > 0.002
     assert _share(image, gantt._COLOURS["F"][0]) > 0.002
     assert (image[..., :3] < 0.3).all(axis=-1).mean() > 0.003
+
+
+def test_inspect_names_an_llms_decoder_layers_as_ranges(capsys):
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    argv = ["inspect", f"{examples}/llm_configs.py:llama", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--input", "2x16:int64", "--stages", "2", "--split", "model.layers.2", "--format", "dot", "--explain"]
+    with tempfile.TemporaryDirectory() as out:
+        assert cli.main([*argv, "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert "model.embed_tokens, model.rotary_emb, model.layers.0 – model.layers.1\n" in text
+    assert "model.layers.2 – model.layers.3, model.norm, lm_head\n" in text
+    assert "send to stage 1: model.layers.1 · add f32[2, 16, 32]" in text  # the residual stream, by its layer
