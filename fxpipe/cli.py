@@ -71,9 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns the exit status: 0, or 2 after a one-line error with at most three lines of
     hints (``--debug``: the traceback instead)."""
     args = build_parser().parse_args(argv)
+    # fake tensors log a traceback of their own before an error reaches us: --debug shows it
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
     if not args.debug:
-        # fake tensors log a traceback of their own before the error reaches us
-        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+        fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return args.run(args)
     except Exception as err:  # noqa: BLE001 - every failure is one line; --debug shows the traceback
@@ -81,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("\n".join(error_lines(f"fxpipe {args.command}", err)), file=sys.stderr)
         return 2
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def error_lines(prefix: str, err: BaseException) -> list[str]:
