@@ -220,14 +220,12 @@ class Timeline:
 
         found = []
         for src, dst in self.deps:
-            for (op, stage, microbatch), produced in sorted(action.items(), key=lambda kv: kv[1].start):
-                if op != "F" or stage != src:
-                    continue
-                consumed = action.get(("F", dst, microbatch))
+            for produced in (e for e in self._events if e.op == "F" and e.stage == src):
+                consumed = action.get(("F", dst, produced.microbatch))
                 if consumed is None or consumed.worker == produced.worker:
                     continue
                 found.append(("activation", produced, consumed))
-                back, front = gradient(dst, microbatch), gradient(src, microbatch)
+                back, front = gradient(dst, produced.microbatch), gradient(src, produced.microbatch)
                 if back is not None and front is not None:
                     found.append(("gradient", back, front))
         return found
