@@ -11,13 +11,15 @@ install: $(STAMP)
 # torch and torchvision are pinned to the releases this machine keeps on disk
 # (plain pip finds them there; a newer release would download a multi-GB CUDA build).
 # Graphviz draws partitions (fxpipe.draw); where apt-get cannot install it, a matplotlib
-# renderer stands in.
+# renderer stands in. Chromium (headless) opens the page `fxpipe inspect --html` writes in
+# its test; where apt-get cannot install it, that test skips.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
 	command -v dot >/dev/null || ! command -v apt-get >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; } || echo "graphviz not installed: partition drawings use the matplotlib renderer"
+	command -v chromium >/dev/null || ! command -v apt-get >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium not installed: the test of the fxpipe inspect --html page skips"
 	touch $(STAMP)
 
 demo: $(STAMP)

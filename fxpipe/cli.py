@@ -2,23 +2,40 @@
 
 ``inspect`` partitions a model without touching any device (a plan for four GPUs can be
 inspected on a laptop): it prints the summary, writes the partition drawing and the
-predicted timeline. ``train`` compiles the model on its devices, runs a few training steps
-on random data with a progress bar, and writes the measured timeline beside the predicted
-one. Both wrap the public API: ``fxpipe.partition``, ``fxpipe.compile``, ``draw``,
-``simulate``, ``timeline``.
+predicted timeline, and with ``--html`` one self-contained page holding them all.
+``train`` compiles the model on its devices, runs a few training steps on random data
+with a progress bar (``--loss lm``: a causal language model's next-token loss, with its
+tokens per second), and writes the measured timeline beside the predicted one. Both wrap
+the public API: ``fxpipe.partition``, ``fxpipe.compile``, ``draw``, ``simulate``,
+``timeline``.
+
+A user's mistake (an option fxpipe cannot use, a model that does not exist, does not
+build or does not take the inputs given, a plan fxpipe cannot honour) ends the command
+with one line on stderr, at most three lines of hints and exit status 2; ``--debug``
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
-import importlib.util
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import fxpipe
+from fxpipe import cli_model
+from fxpipe.cli_model import CommandError
+from fxpipe.drawing.page import write_page
+from fxpipe.passes.meta import VAL
+from fxpipe.schedules import SCHEDULES
+from fxpipe.timeline import Timeline
 
 EXAMPLES = """\
 MODEL is one of
@@ -32,41 +49,61 @@ examples:
   fxpipe inspect torchvision:resnet50 --stages 4 --split layer2,layer3,layer4 \\
       --input 32x3x224x224 --out docs/img
   fxpipe inspect torchvision:resnet152 --devices cuda:0,cuda:1 --split auto --level node
+  fxpipe inspect examples/llm_configs.py:gpt2 --input 8x128:int64 --stages 4 --html
   fxpipe train torchvision:resnet18 --stages 2 --split layer3 --input 16x3x64x64 \\
       --model-arg num_classes=10 --steps 5
+  fxpipe train examples/llm_configs.py:gpt2 --input 8x64:int64 --stages 2 --loss lm
 """
 
 
-# fxpipe.schedules.SCHEDULES, spelled out: importing fxpipe would cost --help a second (a test keeps them equal)
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 
 
-class CommandError(Exception):
-    """A command-line value fxpipe cannot use; the message says what to write instead."""
+class CommandParser(argparse.ArgumentParser):
+    """argparse with fxpipe's error format: one line and a hint, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message}\n  see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``fxpipe`` command with ``argv`` (default: the process's arguments);
-    returns the exit status. Errors in arguments, models and plans exit with status 2 and
-    a one-line message."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from fxpipe import CompileError, DeviceError, MicrobatchError, PlanError
-    from fxpipe.drawing.render import DrawError
-    from fxpipe.passes.annotate import AnnotateError
-    from fxpipe.passes.trace import TraceError
-
-    expected = (CommandError, PlanError, CompileError, AnnotateError, TraceError, DeviceError, MicrobatchError, DrawError)
+    returns the exit status: 0, or 2 after a one-line error with at most three lines of
+    hints (``--debug``: the traceback instead)."""
+    args = build_parser().parse_args(argv)
+    # fake tensors log a traceback of their own before an error reaches us: --debug shows it
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    if not args.debug:
+        fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return args.run(args)
-    except expected as err:
-        print(f"fxpipe {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - every failure is one line; --debug shows the traceback
+        if args.debug:
+            raise
+        print("\n".join(error_lines(f"fxpipe {args.command}", err)), file=sys.stderr)
         return 2
+    finally:
+        fake_tensor_log.setLevel(level)
+
+
+def error_lines(prefix: str, err: BaseException) -> list[str]:
+    """``prefix: error: <message>`` and at most three indented hint lines: a
+    CommandError's hints; for other errors their message's further lines and a pointer
+    to --debug."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [type(err).__name__]
+    if isinstance(err, CommandError):
+        message, hints = lines[0], err.hints
+    else:
+        known = type(err).__module__.startswith("fxpipe")
+        message = lines[0] if known else f"{type(err).__name__}: {lines[0]}"
+        hints = lines[1:3] + ["rerun with --debug to see the traceback"]
+    return [f"{prefix}: error: {message}"] + [f"  {hint}" for hint in hints[:3]]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser of ``fxpipe`` with its two subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="fxpipe",
         description="Split a PyTorch model into pipeline stages with torch.fx; see where it was cut and where the pipeline waits.",
         epilog=EXAMPLES,
@@ -93,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--renderer", choices=("auto", "graphviz", "matplotlib"), default="auto",
                          help="who draws the partition: Graphviz when installed (auto), or the built-in matplotlib renderer")
     inspect.add_argument("--explain", action="store_true", help="also print why each stage holds its nodes and the edges it cuts")
+    inspect.add_argument("--html", action="store_true",
+                         help="also write inspect.html: one self-contained page with the drawing (the stage view "
+                              "unless --level says otherwise), the summary, the predicted timeline and the explain text")
     _add_output_argument(inspect)
     inspect.set_defaults(run=run_inspect)
 
@@ -112,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(train)
     train.add_argument("--steps", type=_positive, default=5, help="training steps to run; default 5")
     train.add_argument("--lr", type=float, default=0.01, help="SGD learning rate; default 0.01")
-    train.add_argument("--loss", choices=("cross-entropy", "mse", "output"), default="cross-entropy",
-                       help="cross-entropy against random class labels, mse against random targets, or "
+    train.add_argument("--loss", choices=("cross-entropy", "mse", "lm", "output"), default="cross-entropy",
+                       help="cross-entropy against random class labels, mse against random targets, lm: a causal "
+                            "language model's next-token cross-entropy on random token ids (prints tokens/s), or "
                             "output: the model returns its own scalar loss; default cross-entropy")
     train.add_argument("--seed", type=int, default=0, help="seed of the random model inputs and targets; default 0")
     _add_output_argument(train)
@@ -126,8 +167,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for the model factory, a Python literal (repeatable), e.g. num_classes=10")
     parser.add_argument("--input", action="append", default=None, metavar="SHAPE[:DTYPE]",
-                        help="one example input per flag, dimensions joined by x, e.g. 8x3x224x224 or 8x128:int64 "
-                             "(integer inputs hold 0s and 1s); dim 0 is the batch; default 8x3x224x224")
+                        help="one example input per argument of the model's forward, dimensions joined by x, e.g. "
+                             "8x3x224x224 or 8x128:int64 (integer inputs hold 0s and 1s; with --loss lm, token ids); "
+                             "dim 0 is the batch; default 8x3x224x224 for torchvision models, required otherwise")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +182,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--split", metavar="HOW",
                       help="tags (device_guard blocks), auto (cost model) or comma-separated module paths where stages "
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
-    plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
+    plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                       help="pipeline schedule (zb-v runs with --chunks 2); default 1f1b")
     plan.add_argument("--microbatches", type=_positive, default=4, metavar="M",
                       help="micro-batches per step (the batch is cut along dim 0); default 4")
@@ -166,12 +209,11 @@ def _positive(text: str) -> int:
 
 # ------------------------------------------------------------------ commands
 def run_inspect(args: argparse.Namespace) -> int:
-    """``fxpipe inspect``: summary, drawing, predicted timeline. Returns 0."""
-    import fxpipe
-
-    model = load_model(args.model, parse_model_args(args.model_arg))
-    inputs = example_inputs(args.input)
-    part = fxpipe.partition(model, plan_from_args(args), example_inputs=inputs)
+    """``fxpipe inspect``: summary, drawing, predicted timeline, and the page with
+    ``--html``. Returns 0."""
+    model, shapes, inputs = _model_and_inputs(args)
+    plan = plan_from_args(args)
+    part = _on_model(args, shapes, lambda: fxpipe.partition(model, plan, example_inputs=inputs))
     out = _out_dir(args.out, args.prefix)
     print(part.summary())
     if args.explain:
@@ -179,43 +221,35 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(part.explain())
     drawing = part.draw(out(f"partition.{args.format}"), level=args.level, renderer=args.renderer)
     print(f"\npartition drawing: {drawing}")
-    _write_timeline(on_logical_devices(part.simulate(), part.devices), out("timeline-predicted.png"), out("trace-predicted.json"))
+    predicted = on_logical_devices(part.simulate(), part.devices)
+    _write_timeline(predicted, out("timeline-predicted.png"), out("trace-predicted.json"))
+    if args.html:
+        level = "stage" if args.level == "auto" else args.level  # the page is an overview
+        page = write_page(part, predicted, out("inspect.html"), level=level, renderer=args.renderer)
+        print(f"page: {page} (one self-contained file: drawing, summary, timeline, explain)")
     return 0
 
 
 def run_train(args: argparse.Namespace) -> int:
     """``fxpipe train``: compile, run ``--steps`` steps with a progress bar, write the
     measured timeline beside the predicted one. Returns 0."""
-    import torch
-    from tqdm import tqdm
-
-    import fxpipe
-
-    model = load_model(args.model, parse_model_args(args.model_arg))
+    model, shapes, inputs = _model_and_inputs(args)
     model.train()
-    inputs = example_inputs(args.input, seed=args.seed)
-    loss_fn = {"cross-entropy": torch.nn.CrossEntropyLoss(), "mse": torch.nn.MSELoss(), "output": None}[args.loss]
-    pipe = fxpipe.compile(model, plan_from_args(args), example_inputs=inputs, loss_fn=loss_fn)
-    out = _out_dir(args.out, args.prefix)
+    loss_fn = {"cross-entropy": torch.nn.CrossEntropyLoss(), "mse": torch.nn.MSELoss(), "lm": cli_model.next_token_loss, "output": None}[args.loss]
+    plan = plan_from_args(args)
+    pipe = _on_model(args, shapes, lambda: fxpipe.compile(model, plan, example_inputs=inputs, loss_fn=loss_fn))
     print(pipe.summary())
+    output = next(n for n in pipe.graph.nodes if n.op == "output").meta.get(VAL)
+    batches = _batches(args, output, inputs)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
-    output_value = next(n for n in pipe.graph.nodes if n.op == "output").meta.get("val")
-    generator = torch.Generator().manual_seed(args.seed)
-    with tqdm(range(args.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
-        for step in bar:
-            batch = inputs if step == 0 else example_inputs(args.input, seed=args.seed + step)
-            target = make_target(args.loss, output_value, generator)
-            started = time.perf_counter()
-            loss = pipe.step(*batch, target=target)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bar.set_postfix(loss=f"{loss.item():.4f}", step=f"{time.perf_counter() - started:.3f}s")
+    _train_steps(args, pipe, optimizer, batches)
     measured = on_logical_devices(pipe.timeline(), pipe.part.devices)
     predicted = on_logical_devices(pipe.simulate(), pipe.part.devices)
     print()
     print(measured.summary())
     print()
     print(predicted.summary())
+    out = _out_dir(args.out, args.prefix)
     picture, trace = out("timeline.png"), out("trace-measured.json")
     measured.to_chrome_trace(trace)
     predicted.plot(picture, other=measured, title=f"{pipe.part.model_name}: predicted (top) and measured (bottom)")
@@ -223,101 +257,88 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-# ------------------------------------------------------------------ helpers
-def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> Any:
-    """Returns the ``nn.Module`` that ``spec`` names (see ``fxpipe --help``), built with
-    ``kwargs``.
+def _batches(args: argparse.Namespace, output: Any, inputs: tuple) -> Callable[[int], tuple[tuple, Any]]:
+    """The function giving step k's (inputs, target): random inputs of the --input
+    shapes and a target for --loss; with --loss lm, token ids below the vocabulary size
+    and the ids themselves as the target.
 
     Raises:
-        CommandError: when the spec names no model, or what it names is not an nn.Module.
+        CommandError: --loss lm without token ids or logits, or a target the output cannot have.
     """
-    from torch import nn
+    at = cli_model.token_input(inputs)
+    logits = cli_model.token_logits(output, inputs[at]) if at is not None else None
+    if args.loss == "lm":
+        if logits is None:
+            raise CommandError(
+                "--loss lm needs token ids in and logits of shape (batch, length, vocabulary) out",
+                ["give the ids as integers, e.g. --input 8x128:int64"],
+            )
+        vocab = int(logits.shape[-1])
 
-    kwargs = dict(kwargs or {})
-    if spec.startswith("torchvision:"):
-        import torchvision
+        def lm_batch(step: int) -> tuple[tuple, Any]:
+            batch = cli_model.example_inputs(args.input, seed=args.seed + step, high=vocab)
+            return batch, batch[at]
 
-        name = spec.split(":", 1)[1]
-        try:
-            model = torchvision.models.get_model(name, weights=None, **kwargs)
-        except ValueError as err:
-            raise CommandError(f"{spec}: {err}; list them with torchvision.models.list_models()") from err
-        return model
-    where, _, attribute = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    if where.endswith(".py"):
-        if not Path(where).is_file():
-            raise CommandError(f"MODEL {spec!r}: no file {where}")
-        module = _import_file(Path(where))
-        names = [attribute] if attribute else ["build_model", "make_model", "get_model", "model"]
-    elif attribute:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as err:
-            raise CommandError(f"cannot import {where!r} from MODEL {spec!r}: {err}") from err
-        names = [attribute]
-    else:
-        raise CommandError(f"MODEL {spec!r}: write torchvision:NAME, package.module:factory or path/to/file.py[:factory]")
-    found = next((getattr(module, n) for n in names if hasattr(module, n)), None)
-    if found is None:
-        raise CommandError(f"MODEL {spec!r}: {where} defines none of {', '.join(names)}")
-    model = found if isinstance(found, nn.Module) else found(**kwargs)
-    if not isinstance(model, nn.Module):
-        raise CommandError(f"MODEL {spec!r} gave a {type(model).__name__}, not a torch.nn.Module")
-    return model
+        return lm_batch
+    if logits is not None:
+        print(
+            f"fxpipe train: warning: MODEL returns token logits {tuple(logits.shape)}; --loss {args.loss} "
+            "scores them against random targets, not the next token: use --loss lm to train a language model",
+            file=sys.stderr,
+        )
+    generator = torch.Generator().manual_seed(args.seed)
+    cli_model.make_target(args.loss, output, generator)  # a target the output cannot have is an error before any step
+
+    def batch(step: int) -> tuple[tuple, Any]:
+        values = inputs if step == 0 else cli_model.example_inputs(args.input, seed=args.seed + step)
+        return values, cli_model.make_target(args.loss, output, generator)
+
+    return batch
 
 
-def _import_file(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(path.stem, module)
-    spec.loader.exec_module(module)
-    return module
+def _train_steps(args: argparse.Namespace, pipe: Any, optimizer: Any, batches: Callable[[int], tuple[tuple, Any]]) -> None:
+    """Runs ``--steps`` steps under a progress bar; with --loss lm, prints tokens per second."""
+    tokens, seconds = 0, 0.0
+    with tqdm(range(args.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
+        for step in bar:
+            batch, target = batches(step)
+            started = time.perf_counter()
+            loss = pipe.step(*batch, target=target)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - started
+            postfix = {"loss": f"{loss.item():.4f}", "step": f"{elapsed:.3f}s"}
+            if args.loss == "lm":
+                postfix["tokens/s"] = f"{target.numel() / elapsed:.0f}"
+                if step > 0 or args.steps == 1:  # the first step warms up
+                    tokens, seconds = tokens + target.numel(), seconds + elapsed
+            bar.set_postfix(postfix)
+    if args.loss == "lm":
+        print(f"{tokens / seconds:.0f} tokens/s ({tokens} tokens in {seconds:.3f} s, the first step left out)")
 
 
-def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
-    """Returns ``{"num_classes": 10}`` for ``["num_classes=10"]``; values are Python
-    literals, or strings when they parse as none.
-
-    Raises:
-        CommandError: for an item without ``=``.
-    """
-    kwargs = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise CommandError(f"--model-arg {item!r}: write KEY=VALUE, e.g. num_classes=10")
-        try:
-            kwargs[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            kwargs[key] = text
-    return kwargs
+def _model_and_inputs(args: argparse.Namespace) -> tuple[Any, list[str], tuple]:
+    """The model the arguments name, the --input shapes it gets (also left in
+    ``args.input``, defaults filled in) and example tensors of them."""
+    model = cli_model.load_model(args.model, cli_model.parse_model_args(args.model_arg))
+    args.input = cli_model.input_shapes(args.model, args.input, model)
+    return model, args.input, cli_model.example_inputs(args.input, seed=getattr(args, "seed", 0))
 
 
-def example_inputs(shapes: Sequence[str] | None, seed: int = 0) -> tuple:
-    """Returns random example tensors for ``--input`` values such as ``8x3x224x224`` or
-    ``8x128:int64`` (floats are standard normal, integers 0 or 1).
-
-    Raises:
-        CommandError: for a malformed shape or an unknown dtype.
-    """
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for text in shapes or ["8x3x224x224"]:
-        shape_text, _, dtype_name = text.partition(":")
-        try:
-            shape = [int(d) for d in shape_text.lower().split("x")]
-        except ValueError:
-            raise CommandError(f"--input {text!r}: write dimensions joined by x, e.g. 8x3x224x224") from None
-        dtype = getattr(torch, dtype_name or "float32", None)
-        if not isinstance(dtype, torch.dtype) or any(d < 1 for d in shape):
-            raise CommandError(f"--input {text!r}: positive dimensions and a torch dtype such as float32 or int64")
-        if dtype.is_floating_point:
-            tensors.append(torch.randn(shape, generator=generator).to(dtype))
-        else:
-            tensors.append(torch.randint(0, 2, shape, generator=generator).to(dtype))
-    return tuple(tensors)
+def _on_model(args: argparse.Namespace, shapes: Sequence[str], build: Callable[[], Any]) -> Any:
+    """Returns ``build()`` (partitioning or compiling the model); an error that is not
+    fxpipe's own comes from running the model on the inputs, and is reported as such."""
+    try:
+        return build()
+    except Exception as err:
+        if type(err).__module__.startswith("fxpipe"):
+            raise
+        message = (str(err).strip().splitlines() or [""])[0]
+        raise CommandError(
+            f"MODEL {args.model!r} does not run on {cli_model.describe_inputs(shapes)}: {type(err).__name__}: {message}",
+            ["check that each --input has the shape and dtype the forward expects",
+             "rerun with --debug to see the traceback"],
+        ) from err
 
 
 def plan_from_args(args: argparse.Namespace) -> Any:
@@ -327,8 +348,6 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         CommandError: when --stages and --devices disagree, or --stages is not a multiple
             of --chunks.
     """
-    import fxpipe
-
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     if args.stages is not None:
         if args.stages % args.chunks:
@@ -350,36 +369,11 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def make_target(loss: str, output: Any, generator: Any) -> Any:
-    """Returns a random target for ``loss`` shaped like the model's ``output`` (a fake
-    tensor from shape propagation): class indices for cross-entropy, values for mse.
-
-    Raises:
-        CommandError: when the model's output is not one tensor but the loss needs one.
-    """
-    import torch
-
-    if loss == "output":
-        return None
-    if not isinstance(output, torch.Tensor):
-        raise CommandError(f"--loss {loss} needs a model that returns one tensor; use --loss output for a model returning its loss")
-    if loss == "mse":
-        return torch.randn(tuple(output.shape), generator=generator)
-    if output.dim() < 2:
-        raise CommandError(f"--loss cross-entropy needs an output of shape (batch, classes, …), got {tuple(output.shape)}")
-    shape = (output.shape[0], *output.shape[2:])
-    return torch.randint(0, int(output.shape[1]), shape, generator=generator)
-
-
 def on_logical_devices(timeline: Any, devices: Sequence[str]) -> Any:
     """Returns ``timeline`` with each event's device the plan's name for its stage
     ("cpu:1", "cuda:0"), so the chart's rows say which logical device each worker is."""
-    from dataclasses import replace
-
-    from fxpipe.timeline import Timeline
-
     events = [replace(e, device=devices[e.stage]) for e in timeline.events]
-    return Timeline(events, timeline.num_workers, timeline.kind, timeline.activation_bytes)
+    return Timeline(events, timeline.num_workers, timeline.kind, timeline.activation_bytes, timeline.ranks, timeline.deps)
 
 
 def _write_timeline(timeline: Any, picture: Path, trace: Path) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe import format as fmt
+from fxpipe.contents import crossing_values, stage_contents
 from fxpipe.cost_model import Calibration
 from fxpipe.estimates import StageEstimate, estimate_stages, predicted_timeline
-from fxpipe.passes.partition import PartitionedGraph
+from fxpipe.passes.partition import Edge, PartitionedGraph
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
 from fxpipe.timeline import Timeline
@@ -74,14 +75,17 @@ class Partitioned:
     def devices(self) -> list[str]:
         return [s.device for s in self.stages]
 
-    def summary(self) -> str:
-        """A table: per stage its device, nodes, parameters, and what it receives and sends."""
-        head = (
-            f"{self.model_name}: {self.num_stages} stage(s), schedule {self.plan.schedule}, "
-            f"{self.plan.microbatches} micro-batch(es), traced with {self.frontend}"
-        )
+    def stage_contents(self) -> list[list[str]]:
+        """Per stage, the modules it runs as the model names them, with numbered blocks as
+        ranges and a block the cut falls inside named by part (see ``fxpipe.contents``):
+        ``["transformer.h.6 (from attn) – transformer.h.11", "lm_head"]``."""
+        return stage_contents([s.module_paths for s in self.stages])
+
+    def summary_rows(self) -> list[tuple[str, ...]]:
+        """The summary table: a header row, then per stage its device, nodes, parameters,
+        FLOPs, predicted time and memory, what it receives and sends, and its modules."""
         rows = [("stage", "device", "nodes", "params", "param bytes", "FLOPs", "predicted", "memory", "recv", "send", "modules")]
-        for s, est in zip(self.stages, self.estimates()):
+        for s, est, modules in zip(self.stages, self.estimates(), self.stage_contents()):
             rows.append(
                 (
                     str(s.index),
@@ -94,11 +98,32 @@ class Partitioned:
                     fmt.nbytes(est.memory),
                     f"{len(s.inputs)} ({fmt.nbytes(s.recv_bytes)})",
                     f"{len(s.outputs)} ({fmt.nbytes(s.send_bytes)})",
-                    s.module_range,
+                    ", ".join(modules),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return rows
+
+    def crossing_rows(self) -> list[tuple[str, ...]]:
+        """The values crossing stages: a header row, then per edge its stages, the module
+        that produces it, its shape and dtype, and its bytes per full example batch."""
+        origins = crossing_values(self.graph)
+        rows = [("from", "to", "value", "shape", "bytes", "fx node")]
+        for e in self.partitioned.edges:
+            rows.append((str(e.src), str(e.dst), origins.get(e.name, e.name), e.description, fmt.nbytes(e.nbytes), e.name))
+        return rows
+
+    def summary(self) -> str:
+        """A table per stage (device, nodes, parameters, FLOPs, predicted time and memory,
+        recv/send, modules), then every value crossing stages by the module producing it."""
+        head = (
+            f"{self.model_name}: {self.num_stages} stage(s), schedule {self.plan.schedule}, "
+            f"{self.plan.microbatches} micro-batch(es), traced with {self.frontend}"
+        )
+        lines = [head, *_aligned(self.summary_rows())]
+        crossing = self.crossing_rows()
+        if len(crossing) > 1:
+            lines.append("values crossing stages:")
+            lines += ["  " + line for line in _aligned(crossing)]
         lines.append("send/recv bytes are per full example batch; each micro-batch moves its share")
         lines.append(
             "FLOPs: forward, full example batch; predicted: forward+backward+send/recv of one micro-batch; "
@@ -107,21 +132,26 @@ class Partitioned:
         return "\n".join(lines)
 
     def explain(self) -> str:
-        """Why each stage holds its nodes (tag, split point, cost model) and the edges it cuts."""
+        """Why each stage holds its nodes (tag, split point, cost model), the modules it
+        runs, and each value it receives and sends, named by the module producing it."""
         lines = [f"{self.model_name} traced with {self.frontend}; split={self.plan.split!r}"]
         lines += [f"note: {n}" for n in self.notes]
-        for s, est in zip(self.stages, self.estimates()):
-            lines.append(f"stage {s.index} on {s.device}: {s.reason}; modules {s.module_range}")
+        origins = crossing_values(self.graph)
+
+        def value(e: Edge) -> str:
+            return f"{origins.get(e.name, e.name)} {e.description} ({fmt.nbytes(e.nbytes)}; fx node {e.name})"
+
+        for s, est, modules in zip(self.stages, self.estimates(), self.stage_contents()):
+            lines.append(f"stage {s.index} on {s.device}: {s.reason}")
+            lines.append(f"    runs {', '.join(modules)}")
             lines.append(
                 f"    cost model, per micro-batch: forward {fmt.seconds(est.forward)}, backward "
                 f"{fmt.seconds(est.backward)}, send/recv {fmt.seconds(est.comm)}; memory {fmt.nbytes(est.memory)} "
                 f"(state {fmt.nbytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
                 f"x {fmt.nbytes(est.activation_bytes)})"
             )
-            for e in s.inputs:
-                lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")
-            for e in s.outputs:
-                lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({fmt.nbytes(e.nbytes)})")
+            lines += [f"    recv from stage {e.src}: {value(e)}" for e in s.inputs]
+            lines += [f"    send to stage {e.dst}: {value(e)}" for e in s.outputs]
         return "\n".join(lines)
 
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
@@ -154,3 +184,9 @@ class Partitioned:
         from fxpipe.drawing.render import draw
 
         return draw(self, path, level=level, renderer=renderer)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """The rows as lines of left-aligned columns two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -4,7 +4,9 @@ The compiler names each phase it enters (``phase``) and passes a ``nodes(done, t
 callback to the passes that walk the graph. A quiet thread redraws one line on a terminal
 once the compile has run ``after`` seconds (``fxpipe: compiling GPT2LMHeadModel: costs
 3200/10000 nodes, 4.10 s``); elsewhere (logs, CI) one summary line with each phase's time
-is written at the end, and only for a compile that took ``after`` seconds or more.
+is written at the end, and only for a compile that took ``after`` seconds or more. A
+compile that fails writes nothing more (a terminal's line is erased): the error says what
+went wrong, and a note on it, shown with its traceback, says in which phase and when.
 ``FXPIPE_PROGRESS=0`` in the environment silences both.
 """
 
@@ -55,13 +57,16 @@ class Progress:
         if self._thread is not None:
             self._thread.join()
         elapsed = time.perf_counter() - self._start
+        if value is not None:
+            # the error reports the failure; where the compile was goes with its traceback
+            value.add_note(f"fxpipe: compiling {self.what} failed in {self._phase_name()} after {fmt.seconds(elapsed)}")
+            if self._shown and self.tty:
+                self.stream.write("\r" + " " * 79 + "\r")
+                self.stream.flush()
+            return
         if not self.enabled or elapsed < self.after and not self._shown:
             return
-        if value is not None:
-            line = f"fxpipe: compiling {self.what} failed in {self._phase_name()} after {fmt.seconds(elapsed)}"
-        else:
-            line = f"fxpipe: compiled {self.what} in {fmt.seconds(elapsed)} ({self._breakdown(elapsed)})"
-        self._write(line, final=True)
+        self._write(f"fxpipe: compiled {self.what} in {fmt.seconds(elapsed)} ({self._breakdown(elapsed)})", final=True)
 
     def phase(self, name: str) -> None:
         """The compile enters phase ``name`` (trace, shapes and costs, split, partition...)."""

@@ -75,6 +75,7 @@ def simulate(
     free_at = [0.0] * len(actions)
     finished: dict[Action, tuple[int, float]] = {}
     events = []
+    deps = list(deps) if deps is not None else None
     for worker, action, needs in execution_order(actions, StageGraph(num_stages, deps)):
         start = free_at[worker]
         for need in needs:
@@ -89,7 +90,7 @@ def simulate(
         finished[action] = (worker, end)
         free_at[worker] = end
         events.append(Event(worker, action.stage, action.microbatch, action.op, start, end))
-    return Timeline(events, num_workers=len(actions), kind=kind)
+    return Timeline(events, num_workers=len(actions), kind=kind, deps=deps)
 
 
 def _non_negative(seconds: float, what: str, action: Action) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,10 @@ class Timeline:
     ``kind`` says where the events come from: "predicted" (the simulator) or "measured"
     (an executor). ``activation_bytes`` optionally maps a stage to the bytes of
     activations one micro-batch holds there between its forward and its backward; the
-    summary then reports peak activation memory.
+    summary then reports peak activation memory. ``ranks`` gives each worker's process
+    rank when the events were gathered under torchrun (rows and trace processes are then
+    named by rank). ``deps`` lists the (producer, consumer) stage pairs that exchange
+    values, default each stage with the next: the Chrome trace draws their messages.
     """
 
     def __init__(
@@ -65,12 +68,14 @@ class Timeline:
         num_workers: int,
         kind: str = "predicted",
         activation_bytes: Mapping[int, int] | None = None,
+        ranks: Sequence[int] | None = None,
+        deps: Iterable[tuple[int, int]] | None = None,
     ) -> None:
         """Keeps the events sorted by start time.
 
         Raises:
-            ValueError: for an unknown ``kind`` or an event on a worker outside
-                ``0..num_workers - 1``.
+            ValueError: for an unknown ``kind``, an event on a worker outside
+                ``0..num_workers - 1``, or ``ranks`` not naming one rank per worker.
         """
         if kind not in KINDS:
             raise ValueError(f"Timeline kind must be one of {KINDS}, got {kind!r}")
@@ -78,9 +83,14 @@ class Timeline:
         for event in self._events:
             if not 0 <= event.worker < num_workers:
                 raise ValueError(f"{event} is on a worker outside 0..{num_workers - 1}")
+        if ranks is not None and len(ranks) != num_workers:
+            raise ValueError(f"Timeline ranks must name one rank per worker ({num_workers}), got {list(ranks)}")
         self.num_workers = num_workers
         self.kind = kind
         self.activation_bytes = dict(activation_bytes or {})
+        self.ranks = list(ranks) if ranks is not None else None
+        stages = sorted({e.stage for e in self._events})
+        self.deps = sorted(set(deps)) if deps is not None else [(s - 1, s) for s in stages if s - 1 in stages]
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -144,6 +154,8 @@ class Timeline:
         return {
             "kind": self.kind,
             "num_workers": self.num_workers,
+            "ranks": self.ranks,
+            "deps": self.deps,
             "step_time": self.step_time,
             "bubble_fraction": self.bubble_fraction,
             "busy_time": [self.busy_time(w) for w in range(self.num_workers)],
@@ -170,7 +182,7 @@ class Timeline:
             if split:  # how much of the work is the W's that fill the bubbles
                 per_op = {op: sum(e.duration for e in self._events if e.worker == w and e.op == op) for op in WORK_OPS}
                 parts = ", ".join(f"{op} {fmt.seconds(t)}" for op, t in per_op.items() if t) + "; " + parts
-            lines.append(f"  worker {w}{on}: busy {fmt.seconds(busy)} ({parts})")
+            lines.append(f"  {self.worker_name(w)}{on}: busy {fmt.seconds(busy)} ({parts})")
         for stage, held in self.peak_in_flight().items():
             line = f"  stage {stage}: up to {held} micro-batches in flight"
             if stage in self.activation_bytes:
@@ -178,20 +190,71 @@ class Timeline:
             lines.append(line)
         return "\n".join(lines)
 
+    def worker_name(self, worker: int) -> str:
+        """``rank 3`` when the timeline was gathered under torchrun, else ``worker 3``."""
+        return f"rank {self.ranks[worker]}" if self.ranks is not None else f"worker {worker}"
+
+    def stages_of(self, worker: int) -> list[int]:
+        """The stages ``worker`` ran during the step, in order."""
+        return sorted({e.stage for e in self._events if e.worker == worker})
+
+    def process_name(self, worker: int) -> str:
+        """What the worker is, in one line: ``rank 1: stage 1, cpu`` (``stages 1, 3`` when it
+        holds several)."""
+        stages = self.stages_of(worker)
+        name = self.worker_name(worker)
+        if stages:
+            name += f": stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+        device = next((e.device for e in self._events if e.worker == worker and e.device), "")
+        return f"{name}, {device}" if device else name
+
+    def messages(self) -> list[tuple[str, Event, Event]]:
+        """The values that crossed workers, as (kind, sending action, receiving action):
+        each forward's activation to the consumer stage's forward, each backward's (or
+        input-gradient's) gradient back to the producer stage's, for every pair in ``deps``
+        whose stages ran on different workers."""
+        action = {(e.op, e.stage, e.microbatch): e for e in self._events if e.op in WORK_OPS}
+
+        def gradient(stage: int, microbatch: int) -> Event | None:
+            return action.get(("B", stage, microbatch)) or action.get(("I", stage, microbatch))
+
+        found = []
+        for src, dst in self.deps:
+            for produced in (e for e in self._events if e.op == "F" and e.stage == src):
+                consumed = action.get(("F", dst, produced.microbatch))
+                if consumed is None or consumed.worker == produced.worker:
+                    continue
+                found.append(("activation", produced, consumed))
+                back, front = gradient(dst, produced.microbatch), gradient(src, produced.microbatch)
+                if back is not None and front is not None:
+                    found.append(("gradient", back, front))
+        return found
+
     def to_chrome_trace(self, path: str | Path) -> None:
         """Writes the events as Chrome trace JSON (opens in Perfetto and chrome://tracing).
 
-        One complete ("X") event per timeline event; pid is the worker, tid 0 holds its
-        actions (F, B, I, W) and tid 1 sends and receives; times are microseconds from the
-        step's start.
+        One process per worker, named for what it is (``rank 1: stage 1, cpu``); in it,
+        thread 0 holds the actions (F, B, I, W) and thread 1 the sends and receives, one
+        complete ("X") event each; an arrow (a flow event) runs from each action that sends
+        a value to another worker to the action that receives it. Times are microseconds
+        from the step's start.
         """
         origin = min((e.start for e in self._events), default=0.0)
-        trace = [
+        micros = lambda t: (t - origin) * 1e6  # noqa: E731
+        trace: list[dict[str, Any]] = []
+        for w in range(self.num_workers):
+            trace += [
+                {"name": "process_name", "ph": "M", "pid": w, "args": {"name": self.process_name(w)}},
+                {"name": "process_sort_index", "ph": "M", "pid": w, "args": {"sort_index": w}},
+                {"name": "thread_name", "ph": "M", "pid": w, "tid": 0, "args": {"name": "actions"}},
+                {"name": "thread_name", "ph": "M", "pid": w, "tid": 1, "args": {"name": "send / recv"}},
+            ]
+        trace += [
             {
                 "name": f"{e.op} s{e.stage} mb{e.microbatch}",
                 "cat": e.op,
                 "ph": "X",
-                "ts": (e.start - origin) * 1e6,
+                "ts": micros(e.start),
                 "dur": e.duration * 1e6,
                 "pid": e.worker,
                 "tid": 0 if e.op in WORK_OPS else 1,
@@ -199,6 +262,13 @@ class Timeline:
             }
             for e in self._events
         ]
+        for k, (kind, sender, receiver) in enumerate(self.messages()):
+            name = f"{kind} s{sender.stage}→s{receiver.stage} mb{sender.microbatch}"
+            # a flow's ends bind to the slices enclosing them: put each just inside its action
+            start = micros(sender.end) - _inside(sender)
+            end = micros(receiver.start) + _inside(receiver)
+            trace.append({"name": name, "cat": kind, "ph": "s", "id": k, "pid": sender.worker, "tid": 0, "ts": start})
+            trace.append({"name": name, "cat": kind, "ph": "f", "bp": "e", "id": k, "pid": receiver.worker, "tid": 0, "ts": end})
         Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
     def plot(
@@ -225,3 +295,8 @@ class Timeline:
             f"{self.kind}: step {fmt.seconds(self.step_time)}, "
             f"bubble {self.bubble_fraction:.1%}"
         )
+
+
+def _inside(event: Event) -> float:
+    """Microseconds from an action's edge to a point certainly inside it."""
+    return min(0.5, event.duration * 1e6 / 2)

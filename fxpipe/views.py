@@ -50,9 +50,9 @@ class PipelineViews:
         return self.part.draw(path, level=level, renderer=renderer)
 
     def timeline(self):
-        """Measured Timeline of the last call or step (this process's workers)."""
+        """Measured Timeline of the last call or step, every worker of this process."""
         from fxpipe.timeline import Timeline
 
         if not self._last_events:
             raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
-        return Timeline(self._last_events, num_workers=self.num_workers, kind="measured")
+        return Timeline(self._last_events, num_workers=self.num_workers, kind="measured", deps=self.part.deps)

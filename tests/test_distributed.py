@@ -193,6 +193,10 @@ def four_rank_cases() -> dict:
     x, t = torch.randn(10, 16), torch.randint(0, 3, (10,))
     plan = dict(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=2, data_parallel=2)
     out["dp 2x2"] = check_case(mlp(), plan, (x,), t, m_eager=1)
+    pipe = fxpipe.compile(mlp(), plan, example_inputs=(x,), loss_fn=CE)
+    pipe.step(x, target=t)
+    timeline = pipe.timeline()  # this replica's pipeline, gathered
+    out["dp 2x2 timeline"] = (timeline.ranks, sorted({e.worker for e in timeline.events}))
     plan = dict(devices=["cpu:0"], split=[], microbatches=1, data_parallel=4)
     out["dp 1x4"] = check_case(mlp(), plan, (x,), t, m_eager=1)
     return out
@@ -302,6 +306,7 @@ def test_skip_edges_across_ranks_and_data_parallel_replicas_match_eager_on_four_
     for r in ranks:
         assert_equal_to_eager(r)
     assert ranks[0]["dp 2x2"]["params"] == ranks[2]["dp 2x2"]["params"]  # replicas hold the same stage
+    assert [r["dp 2x2 timeline"] for r in ranks] == [([0, 1], [0, 1])] * 2 + [([2, 3], [0, 1])] * 2
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)

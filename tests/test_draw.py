@@ -6,12 +6,14 @@ import subprocess
 import matplotlib.image
 import pytest
 import torch
+from svg_bounds import outside_view_box
+from test_contents import Stack
 from test_dot import SkipNet
 
 import fxpipe
 from fxpipe.drawing import render as draw_module
 from fxpipe.drawing.diagram import partition_diagram
-from fxpipe.drawing.render import DrawError, draw, fallback_size, layout
+from fxpipe.drawing.render import DrawError, draw, fallback_size, graphviz_available, layout
 
 needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
 
@@ -86,3 +88,52 @@ def test_graphviz_svg_of_a_compiled_pipeline(tmp_path):
     pipe = fxpipe.compile(SkipNet(), plan, example_inputs=(torch.randn(4, 8),))
     text = pipe.draw(tmp_path / "pipe.svg", level="node").read_text()
     assert "<svg" in text and "cluster_1" in text
+
+
+# ------------------------------------------------------------------ nothing clipped
+RENDERERS = [
+    pytest.param("graphviz", marks=needs_graphviz),
+    "matplotlib",
+]
+
+
+@pytest.fixture(scope="module")
+def stack() -> fxpipe.Partitioned:
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split=["blocks.2.mlp", "blocks.4"], microbatches=2)
+    return fxpipe.partition(Stack(), plan, example_inputs=(torch.randn(4, 4),))
+
+
+@pytest.mark.parametrize("renderer", RENDERERS)
+@pytest.mark.parametrize("level", ["node", "stage"])
+def test_every_svgs_view_box_holds_every_element(part, stack, tmp_path, renderer, level):
+    for name, partition in (("skip", part), ("stack", stack)):
+        path = draw(partition, tmp_path / f"{name}.svg", level=level, renderer=renderer)
+        assert outside_view_box(path) == [], path.read_text()[:400]
+
+
+def test_the_svg_check_finds_what_a_view_box_clips(tmp_path):
+    clipped = tmp_path / "clipped.svg"
+    clipped.write_text(
+        '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 100 50"><g transform="scale(1.33)">'
+        '<rect x="10" y="10" width="70" height="20"/><text x="10" y="34" font-size="8">clipped on the right</text>'
+        '<defs><path d="M 0 0 L 500 500"/></defs></g></svg>'
+    )
+    assert [line.split(">")[0] for line in outside_view_box(clipped)] == ["<rect", "<text"]
+    if graphviz_available():  # what Graphviz 2.43 writes when given a resolution for an SVG
+        source = "digraph { a -> b [label=x] }"
+        done = subprocess.run(["dot", "-Tsvg", "-Gdpi=96", "-o", str(clipped)], input=source, text=True, check=True)
+        assert done.returncode == 0 and outside_view_box(clipped)
+
+
+@pytest.mark.parametrize("renderer", RENDERERS)
+def test_a_hundred_and_twenty_layers_draw_as_a_box_per_stage_of_block_ranges(tmp_path, renderer):
+    plan = fxpipe.Plan(devices=[f"cpu:{i}" for i in range(6)], split="auto", microbatches=6)
+    part = fxpipe.partition(Stack(layers=120), plan, example_inputs=(torch.randn(6, 4),))
+    diagram = partition_diagram(part)
+    assert diagram.level == "stage"  # auto: far above the node view's limit
+    assert [b.id for b in diagram.boxes if b.id.startswith("stage")] == [f"stage{s}" for s in range(6)]
+    for box, modules in zip(diagram.boxes[1:], part.stage_contents()):
+        assert any(" – blocks." in m for m in modules), modules  # repeated blocks collapse into a range
+        assert len(box.lines) <= 8, box.lines
+    path = draw(part, tmp_path / "deep.svg", renderer=renderer)
+    assert outside_view_box(path) == []

@@ -8,6 +8,7 @@ speed.
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,17 @@ def test_llm_example_trains_gpt2_equal_to_eager(tmp_path):
     assert len(result["losses"]) == 6
     assert result["largest_difference"] < 1e-4
     assert drawing.stat().st_size > 0
+
+
+def test_torchrun_timeline_example_gathers_every_rank_into_one_chart_and_trace(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "fxpipe.distributed", "-n", "2", str(EXAMPLES / "torchrun_timeline.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 ranks, 1f1b, 2 micro-batches" in done.stdout
+    assert "rank 0 (cpu): busy" in done.stdout and "rank 1 (cpu): busy" in done.stdout
+    assert "each rank's own events alone: bubble rank 0" in done.stdout
+    trace = json.loads((tmp_path / "torchrun-trace.json").read_text())["traceEvents"]
+    assert sorted(e["args"]["name"] for e in trace if e["name"] == "process_name") == ["rank 0: stage 0, cpu", "rank 1: stage 1, cpu"]
+    assert (tmp_path / "torchrun-timeline.png").stat().st_size > 0

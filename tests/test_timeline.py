@@ -1,11 +1,18 @@
 """The simulator's predictions and what a Timeline reports, exports and draws."""
 
 import json
+import tempfile
+import time
+from pathlib import Path
 
+import matplotlib
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fxpipe
+from fxpipe.distributed import launch
 from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import Action, ScheduleError, gpipe, make_schedule, one_f_one_b, zb_h1, zb_v
 from fxpipe.timeline import Event, Timeline
@@ -143,9 +150,8 @@ def test_chrome_trace_is_json_with_one_complete_event_per_action(tmp_path):
     timeline = simulate(make_schedule("1f1b", 3, 4), 3, 1e-3, 2e-3)
     path = tmp_path / "trace.json"
     timeline.to_chrome_trace(path)
-    trace = json.loads(path.read_text())["traceEvents"]
+    trace = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(trace) == 2 * 3 * 4
-    assert {e["ph"] for e in trace} == {"X"}
     first = min(trace, key=lambda e: e["ts"])
     assert first["name"] == "F s0 mb0"
     assert first["ts"] == 0 and first["dur"] == pytest.approx(1000.0)
@@ -250,7 +256,7 @@ def test_chrome_trace_puts_i_and_w_on_the_action_track(tmp_path):
     timeline = simulate(zb_h1(2, 2), 2, 1e-3, 2e-3)
     path = tmp_path / "trace.json"
     timeline.to_chrome_trace(path)
-    trace = json.loads(path.read_text())["traceEvents"]
+    trace = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {(e["cat"], e["tid"]) for e in trace} == {("F", 0), ("I", 0), ("W", 0)}
     assert any(e["name"] == "W s1 mb0" for e in trace)
 
@@ -283,3 +289,124 @@ def test_plot_draws_zero_bubble_timelines(tmp_path, name):
 def test_events_take_every_action_op():
     for op in ("F", "B", "I", "W", "send", "recv"):
         assert Event(0, 0, 0, op, 0.0, 1.0).op == op
+
+
+# ------------------------------------------------------------------ whole-pipeline traces
+def _trace(timeline: Timeline, tmp_path) -> list[dict]:
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(path)
+    return json.loads(path.read_text())["traceEvents"]
+
+
+def _flows(trace: list[dict]) -> dict[int, tuple[dict, dict]]:
+    """Each flow's start ("s") and finish ("f") event, by id."""
+    ends: dict[int, dict[str, dict]] = {}
+    for e in trace:
+        if e["ph"] in ("s", "f"):
+            ends.setdefault(e["id"], {})[e["ph"]] = e
+    assert all(set(pair) == {"s", "f"} for pair in ends.values()), ends
+    return {k: (pair["s"], pair["f"]) for k, pair in ends.items()}
+
+
+def _enclosing(trace: list[dict], pid: int, ts: float) -> dict:
+    """The action slice of process ``pid`` that holds time ``ts``."""
+    slices = [e for e in trace if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 0 and e["ts"] <= ts <= e["ts"] + e["dur"]]
+    assert len(slices) == 1, (pid, ts, slices)
+    return slices[0]
+
+
+def test_chrome_trace_names_a_process_per_worker_and_draws_each_message_as_a_flow(tmp_path):
+    timeline = simulate(one_f_one_b(3, 4), 3, 1e-3, 2e-3, comm_time=1e-4)
+    trace = _trace(timeline, tmp_path)
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {0: "worker 0: stage 0", 1: "worker 1: stage 1", 2: "worker 2: stage 2"}
+    flows = _flows(trace)
+    assert len(flows) == 2 * 2 * 4  # two links, an activation and a gradient per micro-batch
+    for start, finish in flows.values():
+        sender, receiver = _enclosing(trace, start["pid"], start["ts"]), _enclosing(trace, finish["pid"], finish["ts"])
+        if start["cat"] == "activation":
+            assert (sender["cat"], receiver["cat"]) == ("F", "F")
+            assert receiver["args"]["stage"] == sender["args"]["stage"] + 1
+        else:
+            assert (sender["cat"], receiver["cat"]) == ("B", "B")
+            assert receiver["args"]["stage"] == sender["args"]["stage"] - 1
+        assert sender["args"]["microbatch"] == receiver["args"]["microbatch"]
+        assert finish["ts"] >= start["ts"] and finish["bp"] == "e"
+
+
+def test_flows_follow_skip_links_and_not_stages_sharing_a_worker(tmp_path):
+    skip = simulate(gpipe(3, 1), 3, 1.0, 1.0, deps=[(0, 1), (1, 2), (0, 2)])
+    assert [(kind, a.stage, b.stage) for kind, a, b in skip.messages() if kind == "activation"] == [
+        ("activation", 0, 1), ("activation", 0, 2), ("activation", 1, 2),
+    ]
+    # interleaved: stages 1 and 2 sit on different workers, 0 and 2 on the same one
+    interleaved = simulate(make_schedule("interleaved-1f1b", 4, 2, chunks=2), 4, 1.0, 1.0)
+    pairs = {(a.stage, b.stage) for kind, a, b in interleaved.messages() if kind == "activation"}
+    assert pairs == {(0, 1), (1, 2), (2, 3)}
+    assert all(a.worker != b.worker for _, a, b in interleaved.messages())
+    split = simulate(zb_h1(2, 2), 2, 1.0, 2.0)
+    assert {(a.op, b.op) for kind, a, b in split.messages() if kind == "gradient"} == {("I", "I")}
+
+
+def test_a_gathered_timeline_names_its_rows_and_processes_by_rank(tmp_path):
+    events = [Event(0, 2, 0, "F", 0.0, 1.0, "cpu"), Event(1, 3, 0, "F", 1.5, 2.0, "cpu"), Event(1, 3, 0, "B", 2.0, 3.0, "cpu")]
+    timeline = Timeline(events, 2, kind="measured", ranks=[2, 3], deps=[(2, 3)])
+    assert timeline.process_name(1) == "rank 3: stage 3, cpu"
+    assert "  rank 2 (cpu): busy 1.00 s" in timeline.summary()
+    names = [e["args"]["name"] for e in _trace(timeline, tmp_path) if e["name"] == "process_name"]
+    assert names == ["rank 2: stage 2, cpu", "rank 3: stage 3, cpu"]
+    assert timeline.to_dict()["ranks"] == [2, 3]
+    with pytest.raises(ValueError, match="one rank per worker"):
+        Timeline(events, 2, ranks=[0])
+
+
+# ------------------------------------------------------------------ gathered under torchrun
+LATE = 0.5  # seconds rank 0 starts its step after rank 1
+
+
+def gathered_timeline_case() -> dict:
+    """A 2-rank 1F1B step whose rank 0 starts late: this rank's own timeline, the gathered
+    one, its Chrome trace and the text of its chart."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=4)
+    pipe = fxpipe.compile(net, plan, example_inputs=(x,), loss_fn=torch.nn.CrossEntropyLoss())
+    if pipe.rank == 0:
+        time.sleep(LATE)
+    pipe.step(x, target=t)
+    own, gathered = pipe.timeline(gather=False), pipe.timeline()
+    with tempfile.TemporaryDirectory() as folder, matplotlib.rc_context({"svg.fonttype": "none"}):
+        gathered.to_chrome_trace(Path(folder) / "trace.json")
+        gathered.plot(Path(folder) / "timeline.svg")
+        trace = json.loads((Path(folder) / "trace.json").read_text())["traceEvents"]
+        chart = (Path(folder) / "timeline.svg").read_text()
+    return {"own": own, "gathered": gathered, "trace": trace, "chart": chart}
+
+
+@pytest.mark.timeout(150)
+def test_timeline_under_torchrun_gathers_every_ranks_events_on_one_clock():
+    ranks = launch(gathered_timeline_case, 2, timeout=120)
+    first, second = ranks[0]["gathered"], ranks[1]["gathered"]
+    assert first.events == second.events and first.ranks == second.ranks == [0, 1]
+    work = {(e.op, e.stage, e.microbatch): e for e in first.events if e.op in ("F", "B")}
+    assert set(work) == {(op, s, m) for op in "FB" for s in (0, 1) for m in range(4)}
+    for rank, result in enumerate(ranks):  # each rank's actions, as long as it measured them
+        own = sorted(e.duration for e in result["own"].events if e.op in ("F", "B"))
+        assert own == pytest.approx(sorted(e.duration for e in work.values() if e.worker == rank), abs=1e-6)
+    # one clock: rank 0 started LATE seconds after rank 1, yet no action starts before the one
+    # whose value it needs (an action's end is read after it posted its sends, so compare starts)
+    for m in range(4):
+        assert work["F", 1, m].start > work["F", 0, m].start
+        assert work["B", 0, m].start > work["B", 1, m].start
+    assert work["F", 0, 0].start >= LATE - 0.1  # rank 1 waited for rank 0's late start
+    # the pipeline's bubble: both ranks' busy time over both ranks' step
+    busy = sum(r["own"].busy_time(rank) for rank, r in enumerate(ranks))
+    assert first.bubble_fraction == pytest.approx(1 - busy / (2 * first.step_time), rel=1e-6)
+
+    trace = ranks[0]["trace"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {0: "rank 0: stage 0, cpu", 1: "rank 1: stage 1, cpu"}
+    flows = _flows(trace)
+    assert sorted((s["cat"], s["pid"], f["pid"]) for s, f in flows.values()) == [("activation", 0, 1)] * 4 + [("gradient", 1, 0)] * 4
+    assert "rank 0 (cpu)" in ranks[0]["chart"] and "rank 1 (cpu)" in ranks[0]["chart"]

@@ -92,7 +92,7 @@ def fxpipe_run(case: str, steps: int, warmup: int) -> list[float]:
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=[CASES[case][2]], schedule="1f1b", microbatches=M)
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
     times = timed_steps(lambda: pipe.step(x, target=t), steps, warmup, dist.barrier)
-    events = pipe.timeline().events
+    events = pipe.timeline(gather=False).events
     # this rank's forward and backward per micro-batch, as they ran next to the other rank
     mean = {op: statistics.mean(e.end - e.start for e in events if e.op == op) for op in "FB"}
     return {"times": times, "stage": pipe.local_stages[0], "F": mean["F"], "B": mean["B"]}

@@ -14,8 +14,8 @@ median step after warm-up on rank 0):
                             and ScheduleZBVZeroBubble, on the same split points, built
                             with its own pipeline() and build_stage() (ZB-V's warm-up
                             message to its own rank is dropped: gloo cannot send it)
-fxpipe's simulated bubble (pipe.simulate(), from the cost model) and its measured one (the
-ranks' measured timelines merged on one clock: 1 - busy / (ranks x step)) are printed
+fxpipe's simulated bubble (pipe.simulate(), from the cost model) and its measured one
+(pipe.timeline(): every rank's events on one clock, 1 - busy / (ranks x step)) are printed
 beside each step time, then the ratios the goals name: zb-h1 / 1F1B (goal <= 0.90 at
 p=4, m=8) and fxpipe / TDP for the zero-bubble schedules (goal <= 0.85).
 
@@ -48,7 +48,6 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
-from fxpipe.timeline import Event, Timeline
 
 FXPIPE = ("1f1b", "zb-h1", "zb-v")
 TDP = ("tdp-1f1b", "tdp-zb", "tdp-zbv")
@@ -123,9 +122,9 @@ def split_points(model: nn.Sequential, stages: int) -> list[str]:
     return [str(k * blocks // stages) for k in range(1, stages)]
 
 
-def timed(step: Callable[[], object], steps: int, warmup: int) -> tuple[list[float], float]:
-    """Step times after warm-up (a barrier before each), and when the last step began."""
-    times, began = [], 0.0
+def timed(step: Callable[[], object], steps: int, warmup: int) -> list[float]:
+    """Step times after warm-up (a barrier before each)."""
+    times = []
     for k in range(warmup + steps):
         dist.barrier()
         began = time.perf_counter()
@@ -133,7 +132,7 @@ def timed(step: Callable[[], object], steps: int, warmup: int) -> tuple[list[flo
         if k >= warmup:
             times.append(time.perf_counter() - began)
     dist.barrier()
-    return times, began
+    return times
 
 
 def fxpipe_run(case: str, schedule: str, m: int, steps: int, warmup: int) -> dict:
@@ -148,18 +147,13 @@ def fxpipe_run(case: str, schedule: str, m: int, steps: int, warmup: int) -> dic
         microbatches=m,
     )
     pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
-    times, began = timed(lambda: pipe.step(x, target=t), steps, warmup)
-    # the runtime's event clock starts when the step's actions start; the step's call is
-    # the common reference the ranks share (perf_counter is one system-wide clock)
-    events = [
-        (e.worker, e.stage, e.microbatch, e.op, e.start, e.end) for e in pipe.timeline().events
-    ]
-    predicted = pipe.simulate()
+    times = timed(lambda: pipe.step(x, target=t), steps, warmup)
+    measured = pipe.timeline()  # every rank's events of the last step, gathered on one clock
+    first = pipe.rank == 0
     return {
         "times": times,
-        "began": began,
-        "events": events,
-        "predicted": predicted if pipe.rank == 0 else None,
+        "measured": measured if first else None,
+        "predicted": pipe.simulate() if first else None,
     }
 
 
@@ -209,20 +203,9 @@ def tdp_run(case: str, schedule: str, m: int, steps: int, warmup: int) -> dict:
         else:
             run.step(**kwargs)
 
-    times, _ = timed(step, steps, warmup)
+    times = timed(step, steps, warmup)
     dist.destroy_process_group()
     return {"times": times}
-
-
-def merged(ranks: list[dict]) -> Timeline:
-    """The ranks' measured events of their last step on one clock (worker = rank)."""
-    origin = min(r["began"] for r in ranks)
-    events = [
-        Event(rank, stage, mb, op, r["began"] - origin + start, r["began"] - origin + end)
-        for rank, r in enumerate(ranks)
-        for (_, stage, mb, op, start, end) in r["events"]
-    ]
-    return Timeline(events, num_workers=len(ranks), kind="measured")
 
 
 def main() -> None:
@@ -267,7 +250,7 @@ def main() -> None:
                 for name in FXPIPE:
                     ranks = launch(fxpipe_run, p, (case, name, m, args.steps, warmup))
                     samples[name] += ranks[0]["times"]
-                    measured, predicted = merged(ranks), ranks[0]["predicted"]
+                    measured, predicted = ranks[0]["measured"], ranks[0]["predicted"]
                     bubbles[name] = (predicted.bubble_fraction, measured.bubble_fraction)
                     if args.plots and case == "transformer" and m == args.microbatches[0]:
                         path = Path(args.plots) / f"zero-bubble-{name}.png"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
+from fxpipe.distributed.timeline import gather_events
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
@@ -35,6 +37,7 @@ from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
+from fxpipe.timeline import Timeline
 
 
 class DistributedPipeline(PipelineBase):
@@ -192,6 +195,7 @@ class DistributedPipeline(PipelineBase):
         on_done = self._averager.start if (ctx.train and self._averager is not None) else None
         if ctx.train:
             self._tied.before_step()
+        self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
         self._last_events = self.executor.run(
             actions[self.layout.worker], program.messages[key], batch.inputs, spec, ctx, program.runners, program.edge_ends, on_done
         )
@@ -282,6 +286,25 @@ class DistributedPipeline(PipelineBase):
     @property
     def num_workers(self) -> int:
         return self.layout.workers
+
+    def timeline(self, gather: bool = True) -> Timeline:
+        """Measured Timeline of the last call or step, of the whole pipeline: every rank of
+        this replica's events on one clock, so ``bubble_fraction`` is the pipeline's and
+        ``to_chrome_trace`` names each rank. A collective: call it on every rank after the
+        same step. ``gather=False`` returns this rank's events alone, communicating nothing.
+
+        Raises:
+            RuntimeError: before the first step or call.
+            RankFailedError: when another rank of the pipeline is gone.
+        """
+        if not self._last_events:
+            raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
+        events = self._last_events
+        if gather:
+            events = gather_events(events, self._step_started, self.device, self.mesh.get_group("pp"), self.watchdog)
+        first = self.layout.replica * self.layout.workers
+        ranks = [first + w for w in range(self.layout.workers)]
+        return Timeline(events, num_workers=self.num_workers, kind="measured", ranks=ranks, deps=self.part.deps)
 
     def __repr__(self) -> str:
         return (

@@ -5,10 +5,13 @@ Two views of a :class:`~fxpipe.partitioned.Partitioned`:
 ``"node"``   every fx node (parameters aside) inside its stage's cluster, labelled with
              its name, what it calls, its module path and its output shape; each cut edge
              runs from a ``send`` to a ``recv`` node and carries the tensor's shape and
-             bytes.
-``"stage"``  one box per stage (device, the modules it runs, nodes, parameters, and the
-             cost model's forward FLOPs, time per micro-batch and memory) and one arrow per pair of communicating stages (how many tensors,
-             bytes per batch and per micro-batch), so ResNet-152-sized graphs stay readable.
+             bytes. A cluster's title names the modules its stage runs.
+``"stage"``  one box per stage (device, the modules it runs as ranges of numbered blocks,
+             ``transformer.h.0 – transformer.h.5``, nodes, parameters, and the cost
+             model's forward FLOPs, time per micro-batch and memory) and one arrow per
+             pair of communicating stages (how many tensors, bytes per batch and per
+             micro-batch, the largest values by the module producing them), so a model of
+             a hundred layers draws as one box per stage.
 
 ``"auto"`` picks the stage view above ``NODE_VIEW_LIMIT`` nodes. A view is first built
 as a :class:`Diagram` (plain data), which ``Diagram.to_dot`` turns into Graphviz text and
@@ -26,8 +29,9 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from fxpipe import format as fmt
-from fxpipe.passes.annotate import STAGE
-from fxpipe.passes.partition import EDGE, fxpipe_recv, fxpipe_send
+from fxpipe.contents import crossing_values
+from fxpipe.passes.meta import EDGE, MODULE_PATH, STAGE, VAL
+from fxpipe.passes.partition import fxpipe_recv, fxpipe_send
 from fxpipe.passes.shape_prop import describe
 
 if TYPE_CHECKING:
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 
 LEVELS = ("auto", "node", "stage")
 NODE_VIEW_LIMIT = 400
+CONTENTS_WIDTH = 48  # characters per line of a stage box's module list
+NAMED_VALUES = 2  # the values a stage-view arrow names; the rest are counted
 
 # Pastel cluster fills and the stronger border of each, indexed by stage.
 _FILLS = ["#dbeafe", "#dcfce7", "#fef3c7", "#fce7f3", "#e0e7ff", "#ccfbf1", "#fee2e2", "#f3e8ff"]
@@ -167,7 +173,10 @@ def _node_diagram(part: Partitioned) -> Diagram:
 
     diagram = Diagram(
         f"{part.model_name}: {part.num_stages} stage(s), node view", "node", "TB",
-        clusters=[_cluster(s, f"stage {s.index} · {s.device} · {fmt.count(s.num_parameters)} params") for s in part.stages],
+        clusters=[
+            _cluster(s, f"stage {s.index} · {s.device} · {fmt.count(s.num_parameters)} params · {', '.join(modules)}")
+            for s, modules in zip(part.stages, part.stage_contents())
+        ],
     )
     modules = {s.index: s.module for s in part.stages}
     for node in part.graph.nodes:
@@ -195,7 +204,7 @@ def _node_diagram(part: Partitioned) -> Diagram:
 
 def _node_lines(node: fx.Node, module: fx.GraphModule | None) -> list[str]:
     """Title (node name), what it calls and where (module path), and its output shape."""
-    path = node.meta.get("module_path", "")
+    path = node.meta.get(MODULE_PATH, "")
     if node.op == "placeholder":
         what = "input"
     elif node.op == "output":
@@ -209,8 +218,8 @@ def _node_lines(node: fx.Node, module: fx.GraphModule | None) -> list[str]:
     if path and path != node.name:
         what += f" · {path}"
     lines = [node.name, what]
-    if "val" in node.meta:
-        lines.append(describe(node.meta["val"]))
+    if VAL in node.meta:
+        lines.append(describe(node.meta[VAL]))
     return lines
 
 
@@ -224,62 +233,52 @@ def _module_class(module: fx.GraphModule, target: str) -> str:
 # ----------------------------------------------------------------- stage view
 def _stage_diagram(part: Partitioned) -> Diagram:
 
-    microbatches = part.plan.microbatches
-    # A row of stages reads best up to four; more stack downwards.
-    rankdir = "LR" if part.num_stages <= 4 else "TB"
+    # Two stages read best side by side; more stack downwards, so a page's width holds
+    # the boxes and the labels of the arrows between them.
+    rankdir = "LR" if part.num_stages <= 2 else "TB"
     diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", rankdir)
     inputs = [n for n in part.graph.nodes if n.op == "placeholder"]
     if inputs:
-        lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
+        lines = ["input"] + [f"{n.name}: {describe(n.meta[VAL])}" if VAL in n.meta else n.name for n in inputs]
         diagram.boxes.append(Box("input", lines, shape="io"))
-    for stage, estimate in zip(part.stages, part.estimates()):
+    for stage, estimate, modules in zip(part.stages, part.estimates(), part.stage_contents()):
         lines = [f"stage {stage.index} · {stage.device}"]
-        lines += _wrap(module_outline(stage.module_paths), 44)
+        lines += _wrap(modules, CONTENTS_WIDTH)
         lines.append(f"{stage.num_nodes} node{'s' if stage.num_nodes != 1 else ''} · {fmt.count(stage.num_parameters)} params ({fmt.nbytes(stage.parameter_bytes)})")
         lines.append(f"{fmt.flops(estimate.flops)} forward per batch")
         lines.append(f"predicted {fmt.seconds(estimate.time)} per micro-batch · memory {fmt.nbytes(estimate.memory)}")
         diagram.boxes.append(Box(f"stage{stage.index}", lines, _fill(stage.index), _border(stage.index)))
     if inputs:
         diagram.links.append(Link("input", "stage0"))
-    pairs: dict[tuple[int, int], list] = defaultdict(list)
-    for edge in part.partitioned.edges:
-        pairs[(edge.src, edge.dst)].append(edge)
-    for (src, dst), edges in sorted(pairs.items()):
-        nbytes = sum(e.nbytes for e in edges)
-        label = f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {fmt.nbytes(nbytes)}"
-        if microbatches > 1:
-            label += f"\n{fmt.nbytes(nbytes / microbatches)} per micro-batch"
-        diagram.links.append(Link(f"stage{src}", f"stage{dst}", label, cut=True))
+    diagram.links += _traffic_links(part)
     output = next((n for n in part.graph.nodes if n.op == "output"), None)
     if output is not None:
-        value = fx.map_arg(output.args[0], lambda n: n.meta.get("val"))
+        value = fx.map_arg(output.args[0], lambda n: n.meta.get(VAL))
         diagram.boxes.append(Box("output", ["output", describe(value)], shape="io"))
         diagram.links.append(Link(f"stage{part.num_stages - 1}", "output"))
     return diagram
 
 
-def module_outline(paths: list[str]) -> str:
-    """Returns the modules a stage runs, compressed: ``conv1, bn1, relu, maxpool, layer1.0–2,
-    layer2.0–1`` (top-level modules in order; numbered children as ranges)."""
-    children: dict[str, list[str]] = {}
-    for path in paths:
-        if not path:
-            continue
-        top, _, rest = path.partition(".")
-        kids = children.setdefault(top, [])
-        child = rest.partition(".")[0]
-        if child and child not in kids:
-            kids.append(child)
-    parts = []
-    for top, kids in children.items():
-        if not kids:
-            parts.append(top)
-        elif all(k.isdigit() for k in kids):
-            low, high = min(map(int, kids)), max(map(int, kids))
-            parts.append(f"{top}.{low}" if low == high else f"{top}.{low}–{high}")
-        else:
-            parts.append(f"{top} ({', '.join(kids[:3])}{', …' if len(kids) > 3 else ''})")
-    return ", ".join(parts) or "(root)"
+def _traffic_links(part: Partitioned) -> list[Link]:
+    """One red arrow per pair of communicating stages: how many tensors and bytes (per
+    batch and per micro-batch), then the largest values by the module producing them."""
+    microbatches = part.plan.microbatches
+    origins = crossing_values(part.graph)
+    pairs: dict[tuple[int, int], list] = defaultdict(list)
+    for edge in part.partitioned.edges:
+        pairs[(edge.src, edge.dst)].append(edge)
+    links = []
+    for (src, dst), edges in sorted(pairs.items()):
+        nbytes = sum(e.nbytes for e in edges)
+        lines = [f"{len(edges)} tensor{'s' if len(edges) != 1 else ''} · {fmt.nbytes(nbytes)}"]
+        if microbatches > 1:
+            lines.append(f"{fmt.nbytes(nbytes / microbatches)} per micro-batch")
+        largest = sorted(edges, key=lambda e: -e.nbytes)
+        lines += [f"{origins.get(e.name, e.name)} {e.description}" for e in largest[:NAMED_VALUES]]
+        if len(edges) > NAMED_VALUES:
+            lines.append(f"and {len(edges) - NAMED_VALUES} more")
+        links.append(Link(f"stage{src}", f"stage{dst}", "\n".join(lines), cut=True))
+    return links
 
 
 # ------------------------------------------------------------------- helpers
@@ -303,10 +302,10 @@ def _cluster(stage: Stage, title: str) -> Cluster:
     return Cluster(stage.index, title, _fill(stage.index), _border(stage.index))
 
 
-def _wrap(text: str, width: int) -> list[str]:
-    """Splits a comma-separated list into lines of at most about ``width`` characters."""
+def _wrap(items: list[str], width: int) -> list[str]:
+    """Joins ``items`` with commas into lines of at most about ``width`` characters."""
     lines: list[str] = []
-    for item in text.split(", "):
+    for item in items:
         if lines and len(lines[-1]) + len(item) + 2 <= width:
             lines[-1] += ", " + item
         else:
@@ -326,4 +325,4 @@ def _dot_id(name: str) -> str:
     return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else '"' + name.replace('"', '\\"') + '"'
 
 
-__all__ = ["Box", "Cluster", "Diagram", "Link", "module_outline", "partition_diagram", "partition_dot"]
+__all__ = ["Box", "Cluster", "Diagram", "Link", "partition_diagram", "partition_dot"]

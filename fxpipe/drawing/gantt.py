@@ -119,7 +119,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
             )
     ax.set_yticks(range(timeline.num_workers))
     ax.set_yticklabels(
-        [_row_label(w, devices.get(w), stages_of[w]) for w in range(timeline.num_workers)]
+        [_row_label(timeline.worker_name(w), devices.get(w), stages_of[w]) for w in range(timeline.num_workers)]
     )
     ax.set_ylim(timeline.num_workers - 0.5, -0.5)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
@@ -158,8 +158,8 @@ def _label_size(compute: list[Event], points_per_second: float) -> float | None:
     return size if size >= 5 else None
 
 
-def _row_label(worker: int, device: str | None, stages: list[int]) -> str:
-    label = f"worker {worker}"
+def _row_label(name: str, device: str | None, stages: list[int]) -> str:
+    label = name
     if device:
         label += f" ({device})"
     if len(stages) > 1:

@@ -25,7 +25,8 @@ SOURCE_SUFFIXES = (".dot", ".gv")
 # What each renderer writes, by file extension.
 GRAPHVIZ_FORMATS = ("svg", "png", "pdf", "jpg", "jpeg")
 MATPLOTLIB_FORMATS = ("svg", "png", "pdf", "jpg", "jpeg")
-DPI = 96
+RASTER_FORMATS = ("png", "jpg", "jpeg")
+DPI = 96  # pixels per inch of raster pictures
 MAX_PIXELS = 30000  # the longest side of a PNG; Agg refuses beyond 2**16
 
 
@@ -79,7 +80,10 @@ def draw_diagram(diagram: Diagram, path: str | Path, renderer: str = "auto") -> 
 
 
 def _render_graphviz(source: str, path: Path, fmt: str) -> None:
-    command = ["dot", f"-T{fmt}", f"-Gdpi={DPI}", "-o", str(path)]
+    # The resolution is a raster setting: Graphviz 2.43 scales an SVG's drawing by it but
+    # not its viewBox, which clips the picture, so vector formats keep their points.
+    resolution = [f"-Gdpi={DPI}"] if fmt in RASTER_FORMATS else []
+    command = ["dot", f"-T{fmt}", *resolution, "-o", str(path)]
     done = subprocess.run(command, input=source, text=True, capture_output=True, check=False)
     if done.returncode != 0:
         raise DrawError(f"Graphviz failed drawing {path.name}: {done.stderr.strip()}")
@@ -93,6 +97,10 @@ NODE_GAP = 18.0
 RANK_GAP = 34.0
 CLUSTER_PAD = 12.0
 CLUSTER_TITLE = 22.0
+CLUSTER_FONT = FONT * 1.2
+LABEL_FONT = FONT * 0.9
+LABEL_GAP = 6.0  # points between an arrow and its label
+PORT_HEAD = 1.5  # a send/recv arrow's height over its body's (matplotlib's rarrow)
 TITLE = 30.0
 
 
@@ -113,6 +121,7 @@ class Layout:
     boxes: dict[str, Placed]
     clusters: dict[int, tuple[float, float, float, float]]  # left, top, right, bottom
     routes: list[list[tuple[float, float]]]  # one polyline per diagram link
+    labels: list[tuple[float, float] | None]  # where each link's label is anchored, if it has one
     width: float
     height: float
 
@@ -177,18 +186,38 @@ def layout(diagram: Diagram) -> Layout:
             point for link, route in zip(diagram.links, routes)
             if cluster_of[link.src] == cluster_of[link.dst] == cluster.index for point in route[1:-1]
         ]
+        left = min(p.x - p.width / 2 for p in members) - CLUSTER_PAD
+        title_right = left + len(cluster.title) * CLUSTER_FONT * 0.62 + 2 * PAD  # the frame holds its title
         frames[cluster.index] = (
-            min(p.x - p.width / 2 for p in members) - CLUSTER_PAD,
+            left,
             min(p.y - p.height / 2 for p in members) - CLUSTER_PAD - CLUSTER_TITLE,
-            max([p.x + p.width / 2 for p in members] + [x for x, _ in inside]) + CLUSTER_PAD,
+            max([p.x + p.width / 2 for p in members] + [x for x, _ in inside] + [title_right - CLUSTER_PAD]) + CLUSTER_PAD,
             max([p.y + p.height / 2 for p in members] + [y for _, y in inside]) + CLUSTER_PAD,
         )
+    labels = [_label_anchor(route, across) if link.label else None for link, route in zip(diagram.links, routes)]
     corners = [(p.x + p.width / 2, p.y + p.height / 2) for p in placed.values()]
+    corners += [_label_corner(link.label, at, across) for link, at in zip(diagram.links, labels) if at is not None]
     corners += [(f[2], f[3]) for f in frames.values()] + [point for route in routes for point in route]
     right = max(x for x, _ in corners) + CLUSTER_PAD
     bottom = max(y for _, y in corners) + CLUSTER_PAD
     title_width = len(diagram.title) * FONT * 1.5 * 0.62 + 2 * CLUSTER_PAD
-    return Layout(placed, frames, routes, max(right, title_width), bottom)
+    return Layout(placed, frames, routes, labels, max(right, title_width), bottom)
+
+
+def _label_anchor(route: list[tuple[float, float]], across: bool) -> tuple[float, float]:
+    """Where a link's label goes: beside the middle of its first segment, or of its detour
+    for a link routed around boxes (so the label stays clear of them). Top-down drawings
+    anchor the label's left end right of the arrow; left-right ones its centre above it."""
+    (x0, y0), (x1, y1) = route[1:3] if len(route) > 2 else route[:2]
+    return ((x0 + x1) / 2 + LABEL_GAP, (y0 + y1) / 2) if across else ((x0 + x1) / 2, (y0 + y1) / 2 - LABEL_GAP)
+
+
+def _label_corner(label: str, at: tuple[float, float], across: bool) -> tuple[float, float]:
+    """The lower right corner of a label anchored at ``at``."""
+    lines = label.split("\n")
+    width = max(map(len, lines)) * LABEL_FONT * 0.6 + 2 * PAD
+    height = len(lines) * LABEL_FONT * 1.3 / 2
+    return (at[0] + width, at[1] + height) if across else (at[0] + width / 2, at[1] + height)
 
 
 def _route(link: Link, placed: dict[str, Placed], rank: dict[str, int], across: bool) -> list[tuple[float, float]]:
@@ -258,10 +287,13 @@ def _place_rank(boxes: list[Box], preds: dict[str, list[str]], cross: dict[str, 
 
 def _box_size(box: Box) -> tuple[float, float]:
     longest = max(len(line) * (1.08 if k == 0 else 1.0) for k, line in enumerate(box.lines))
-    width = longest * FONT * 0.6 + 2 * PAD + (FONT if box.shape == "port" else 0.0)
+    width = longest * FONT * 0.6 + 2 * PAD
     height = len(box.lines) * LINE + 2 * PAD
     if box.shape == "io":
         width += 2 * PAD
+    if box.shape == "port":  # the arrow's head is half as tall again as its body, and sticks out by a third
+        height *= PORT_HEAD
+        width += height / 3
     return width, height
 
 
@@ -289,24 +321,27 @@ def _render_matplotlib(diagram: Diagram, path: Path) -> None:
                 facecolor=cluster.fill, edgecolor=cluster.border, linewidth=1.0, zorder=0,
             )
         )
-        ax.text(left + PAD, top + CLUSTER_TITLE / 2 + 2, cluster.title, fontsize=FONT * 1.2, weight="bold", va="center", zorder=1)
+        ax.text(left + PAD, top + CLUSTER_TITLE / 2 + 2, cluster.title, fontsize=CLUSTER_FONT, weight="bold", va="center", zorder=1)
     styles = {"box": "round,pad=0,rounding_size=5", "port": "rarrow,pad=0", "io": "round,pad=0,rounding_size={r}"}
     for box in diagram.boxes:
         p = placed.boxes[box.id]
         style = styles[box.shape].format(r=p.height / 2)
+        width, height, centre = p.width, p.height, p.x
+        if box.shape == "port":  # the body, so that its head ends at the placed size
+            width, height, centre = p.width - p.height / 3, p.height / PORT_HEAD, p.x - p.height / 6
         ax.add_patch(
             FancyBboxPatch(
-                (p.x - p.width / 2, p.y - p.height / 2), p.width, p.height, boxstyle=style,
+                (centre - width / 2, p.y - height / 2), width, height, boxstyle=style,
                 facecolor=box.fill, edgecolor=box.border, linewidth=0.9, zorder=3,
             )
         )
         top = p.y - (len(box.lines) - 1) * LINE / 2
         for k, line in enumerate(box.lines):
             ax.text(
-                p.x - (FONT / 2 if box.shape == "port" else 0.0), top + k * LINE, line, fontsize=FONT,
+                centre, top + k * LINE, line, fontsize=FONT,
                 weight="bold" if k == 0 else "normal", ha="center", va="center", zorder=4,
             )
-    for link, route in zip(diagram.links, placed.routes):
+    for link, route, label_at in zip(diagram.links, placed.routes, placed.labels):
         colour = CUT_COLOUR if link.cut else LINK_COLOUR
         width = 1.8 if link.cut else 0.8
         if len(route) > 2:
@@ -317,13 +352,10 @@ def _render_matplotlib(diagram: Diagram, path: Path) -> None:
                 linewidth=width, shrinkA=0, zorder=2,
             )
         )
-        if link.label:
-            (x0, y0), (x1, y1) = route[0], route[1]
-            across = diagram.rankdir == "TB"
+        if label_at is not None:
             ax.text(
-                (x0 + x1) / 2 + (6 if across else 0), (y0 + y1) / 2 - (0 if across else 8),
-                link.label, fontsize=FONT * 0.9, color=colour, ha="left" if across else "center", va="center", zorder=5,
-                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5},
+                *label_at, link.label, fontsize=LABEL_FONT, color=colour, ha="left" if diagram.rankdir == "TB" else "center",
+                va="center", zorder=5, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5},
             )
     fig.savefig(path, dpi=_dpi(placed))
     plt.close(fig)
