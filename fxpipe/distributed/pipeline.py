@@ -22,13 +22,13 @@ from torch import nn
 
 from fxpipe.compiler import partition_like
 from fxpipe.distributed import comm, startup
+from fxpipe.distributed import timeline as gathered
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
-from fxpipe.distributed.timeline import gather_events
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
@@ -58,6 +58,7 @@ class DistributedPipeline(PipelineBase):
     ) -> None:
         plan = part.plan
         self.watchdog = watchdog if watchdog is not None else startup.join(plan.timeout)
+        self._calls = 0  # calls run, numbering the timelines left in the store
         with startup.failures_recorded(self.watchdog):
             self.layout = layout = make_layout(plan, part.stage_workers)
             self.watchdog.assign(layout.describe, lambda r: layout.stages_of(r % layout.workers)[0])
@@ -199,6 +200,8 @@ class DistributedPipeline(PipelineBase):
         self._last_events = self.executor.run(
             actions[self.layout.worker], program.messages[key], batch.inputs, spec, ctx, program.runners, program.edge_ends, on_done
         )
+        self._calls += 1
+        gathered.publish(self.watchdog, self._calls, self._last_events, self._step_started, str(self.device))
         if not ctx.train:
             return
         if self._averager is not None:
@@ -290,20 +293,22 @@ class DistributedPipeline(PipelineBase):
     def timeline(self, gather: bool = True) -> Timeline:
         """Measured Timeline of the last call or step, of the whole pipeline: every rank of
         this replica's events on one clock, so ``bubble_fraction`` is the pipeline's and
-        ``to_chrome_trace`` names each rank. A collective: call it on every rank after the
-        same step. ``gather=False`` returns this rank's events alone, communicating nothing.
+        ``to_chrome_trace`` names each rank. Any rank may ask, alone or with the others:
+        the ranks' events are read from the job's store, where each rank leaves them after
+        every call (waiting up to ``Plan.timeout`` for a rank still finishing that call).
+        ``gather=False`` returns this rank's events alone, reading nothing.
 
         Raises:
             RuntimeError: before the first step or call.
-            RankFailedError: when another rank of the pipeline is gone.
+            RankFailedError: when another rank of the pipeline does not finish the call.
         """
         if not self._last_events:
             raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
-        events = self._last_events
-        if gather:
-            events = gather_events(events, self._step_started, self.device, self.mesh.get_group("pp"), self.watchdog)
         first = self.layout.replica * self.layout.workers
         ranks = [first + w for w in range(self.layout.workers)]
+        events = self._last_events
+        if gather:
+            events = gathered.collect(self.watchdog, ranks, self._calls, self.plan.timeout)
         return Timeline(events, num_workers=self.num_workers, kind="measured", ranks=ranks, deps=self.part.deps)
 
     def __repr__(self) -> str:

@@ -1,27 +1,30 @@
-"""Every rank's events of the last step, gathered into one pipeline timeline.
+"""Every rank's events of the last call, gathered into one pipeline timeline.
 
-Each rank records its own actions in seconds from the moment it started the step (see
-``RankExecutor.run``). :func:`gather_events` collects them on every rank of one pipeline
-(a replica's ``"pp"`` group) and puts them on one clock, shifting each rank's events by
-the wall-clock time at which it started: two all-gathers, after the step and only when a
-timeline is asked for, so steps pay nothing for it. Ranks on one host share their clock
-exactly; ranks on several hosts are as well aligned as their clocks (NTP keeps them within
-about a millisecond).
+Each rank records its own actions in seconds from the moment it started the call (see the
+executor). After every call, :func:`publish` leaves them in the job's store (one small
+packet per rank, in one of a few slots by call number; a store write costs well under a
+millisecond). :func:`collect` reads the packets of the pipeline's ranks for one call, on
+whichever rank asks and only when it asks: no collective, so ``pipe.timeline()`` may be
+called on one rank alone (``if rank == 0: pipe.timeline().plot(...)``). Each rank's events
+are shifted by the wall-clock time at which it started the call, which puts them on one
+clock: ranks on one host share their clock exactly; ranks on several hosts are as well
+aligned as their clocks (NTP keeps them within about a millisecond).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from fxpipe.distributed.faults import Watchdog
+from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.timeline import EVENT_OPS, Event
 
 DEVICE_CHARS = 32  # a device name's room in a packet ("cuda:0", "cpu")
 FIELDS = 6  # worker, stage, micro-batch, op, start, end
 HEADER = 2 + DEVICE_CHARS  # the step's wall-clock start, the number of events, the device
+_POLL = 0.02  # seconds between looks at a late rank's slot
 
 
 def pack(events: Sequence[Event], started: float, device: str) -> torch.Tensor:
@@ -50,29 +53,55 @@ def unpack(packet: torch.Tensor, shift: float) -> list[Event]:
     return events
 
 
-def gather_events(
-    events: Sequence[Event], started: float, device: torch.device, group: dist.ProcessGroup, watchdog: Watchdog
-) -> list[Event]:
-    """Returns the events of every rank of ``group`` on one clock (seconds from the
-    earliest rank's start). A collective: every rank of ``group`` calls it after the same
-    step. Raises RankFailedError (through ``watchdog``) when a rank of the group is gone."""
-    peers = dist.get_process_group_ranks(group)
-    mine = pack(events, started, str(device)).to(device)
-    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in peers]
-    _wait(dist.all_gather(sizes, size, group=group, async_op=True), watchdog, peers)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.float64, device=device)
-    padded[: mine.numel()] = mine
-    packets = [torch.zeros_like(padded) for _ in peers]
-    _wait(dist.all_gather(packets, padded, group=group, async_op=True), watchdog, peers)
-    packets = [p.cpu() for p in packets]
-    origin = min(float(p[0]) for p in packets)
-    return [e for p in packets for e in unpack(p, float(p[0]) - origin)]
+SLOTS = 4  # calls whose packets the store keeps per rank (a rank is at most one call ahead of its pipeline)
 
 
-def _wait(work: dist.Work, watchdog: Watchdog, peers: Sequence[int]) -> None:
-    watchdog.wait([(work, None)], lambda: "the other ranks' timelines of the last step", peers=peers)
+def _key(watchdog: Watchdog, rank: int, call: int) -> str:
+    return f"{watchdog.prefix}timeline/{rank}/{call % SLOTS}"
 
 
-__all__ = ["gather_events", "pack", "unpack"]
+def publish(watchdog: Watchdog, call: int, events: Sequence[Event], started: float, device: str) -> None:
+    """Leave this rank's events of call number ``call`` in the job's store."""
+    packet = torch.cat([torch.tensor([float(call)], dtype=torch.float64), pack(events, started, device)])
+    watchdog.store.set(_key(watchdog, watchdog.rank, call), packet.numpy().tobytes())
+
+
+def collect(watchdog: Watchdog, ranks: Sequence[int], call: int, timeout: float) -> list[Event]:
+    """The events of call number ``call`` on every rank of ``ranks``, on one clock (seconds
+    from the earliest rank's start). Waits up to ``timeout`` seconds for a rank that has not
+    finished the call yet; raises RankFailedError naming it when it does not."""
+    deadline = time.monotonic() + timeout
+    packets: dict[int, torch.Tensor] = {}
+    while len(packets) < len(ranks):
+        for rank in ranks:
+            if rank not in packets:
+                packet = _read(watchdog, rank, call)
+                if packet is not None:
+                    packets[rank] = packet
+        if len(packets) == len(ranks):
+            break
+        failure = watchdog.recorded()
+        if failure is not None:
+            raise failure
+        if time.monotonic() > deadline:
+            late = [r for r in ranks if r not in packets]
+            raise RankFailedError(
+                f"rank {late[0]} has not finished call {call} of the pipeline after {timeout:g} s, so its part of the "
+                "timeline is missing (it is slow, stuck or gone; pipe.timeline(gather=False) shows this rank's alone)",
+                late[0],
+            )
+        time.sleep(_POLL)
+    origin = min(float(p[0]) for p in packets.values())
+    return [e for r in ranks for e in unpack(packets[r], float(packets[r][0]) - origin)]
+
+
+def _read(watchdog: Watchdog, rank: int, call: int) -> torch.Tensor | None:
+    """``rank``'s packet of call ``call``, None while its slot is empty or holds another call."""
+    key = _key(watchdog, rank, call)
+    if not watchdog.store.check([key]):
+        return None
+    values = torch.frombuffer(bytearray(watchdog.store.get(key)), dtype=torch.float64)
+    return values[1:] if int(values[0]) == call else None
+
+
+__all__ = ["collect", "pack", "publish", "unpack"]
