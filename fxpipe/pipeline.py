@@ -22,6 +22,7 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.passes.targets import lookup
 from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.schedules import describe_schedule
@@ -43,15 +44,16 @@ class Pipeline(PipelineBase):
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
         self._executor = LocalExecutor(self.plan.timeout)
-        self._first_program(self._runners(self.stages))
+        self._first_program(self._program_of(self.part))
 
     def _runners(self, stages: list) -> dict[int, Any]:
         return {s.index: make_runner(s, s.module, torch_device(s.device), len(stages), self.plan) for s in stages}
 
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
-        part = partition_like(self.part, self._model, args, kwargs, self._resolve_for)
-        edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
-        return Program(part, self._runners(part.stages), edge_ends)
+        return self._program_of(partition_like(self.part, self._model, args, kwargs, self._resolve_for))
+
+    def _program_of(self, part: Partitioned) -> Program:
+        return Program(part, self._runners(part.stages), [(e.src, e.dst) for e in part.partitioned.edges])
 
     def _resolve_for(self, stage: int) -> Any:
         """Targets of stage ``stage`` of a later signature: the placed copies on its device."""
@@ -63,8 +65,8 @@ class Pipeline(PipelineBase):
         program = batch.program
         self._placement.sync_replicas()
         actions = self._actions(len(batch.inputs), ctx.train, program.part)
-        runners = [program.runners[s] for s in range(program.part.num_stages)]
-        self._last_events = self._executor.run(actions, batch.inputs, ctx, runners, program.edge_ends, record=True)
+        step = Step(ctx, batch.inputs, program.runners, program.edge_ends, self.action_hooks)
+        self._last_events = self._executor.run(actions, step)
         if ctx.train:
             self._placement.reduce_replica_grads()
 

@@ -31,9 +31,8 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from fxpipe.distributed.specs import ValueSpec
+from fxpipe.runtime.interpret import ACT, GRAD
 from fxpipe.schedules import Action
-
-ACT, GRAD = "act", "grad"
 
 
 class CommPlanError(RuntimeError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +33,30 @@ from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.interpret import Step, after_last_backward
 from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
+
+
+@dataclass
+class RankProgram(Program):
+    """A Program with what this rank derives per micro-batch signature: specs (edge shapes
+    and dtypes, by signature key) and messages (this rank's comm plan, by the same key);
+    skeletons: meta copies of every stage, for the fake runs that derive the specs."""
+
+    specs: dict = field(default_factory=dict)
+    messages: dict = field(default_factory=dict)
+    skeletons: list = field(default_factory=list)
+
+    def train(self, mode: bool) -> None:
+        super().train(mode)
+        for sk in self.skeletons:
+            sk.train(mode)
+
+
+def _edge_ends(part: Partitioned) -> list[tuple[int, int]]:
+    return [(e.src, e.dst) for e in part.partitioned.edges]
 
 
 class DistributedPipeline(PipelineBase):
@@ -96,7 +118,7 @@ class DistributedPipeline(PipelineBase):
         self._params, self._state = model_names(model, held, aliases)
         self._partial_state = True
         self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
-        self._first_program(runners, skeletons=self._skeletons)
+        self._first_program(RankProgram(self.part, runners, _edge_ends(self.part), skeletons=self._skeletons))
         self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
         self._averager = None
         self._dp_group = None
@@ -162,12 +184,12 @@ class DistributedPipeline(PipelineBase):
             part = partition_like(self.part, self._model, args, kwargs, resolve_for)
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
-        return Program(part, runners, [(e.src, e.dst) for e in part.partitioned.edges], skeletons=skeletons)
+        return RankProgram(part, runners, _edge_ends(part), skeletons=skeletons)
 
-    def _programs_first(self) -> Program:
+    def _programs_first(self) -> RankProgram:
         return next(iter(self._programs.values()))
 
-    def _edge_specs(self, program: Program, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
+    def _edge_specs(self, program: RankProgram, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
         """Each micro-batch's edge specs, derived once per input signature (shapes and
         dtypes of the inputs, train or not, the stages' modes and the caller's autocast)."""
         modes = tuple(m.training for m in program.skeletons)
@@ -189,12 +211,14 @@ class DistributedPipeline(PipelineBase):
         spec = lambda e, i: specs[i][e]  # noqa: E731
         if key not in program.messages:  # key holds ``train`` already
             program.messages[key] = self._plan_messages(program, actions, spec)
-        on_done = self._averager.start if (ctx.train and self._averager is not None) else None
+        mine = actions[self.layout.worker]
+        hooks = list(self.action_hooks)
+        if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete
+            hooks.append(after_last_backward(mine, self._averager.start))
         if ctx.train:
             self._tied.before_step()
-        self._last_events = self.executor.run(
-            actions[self.layout.worker], program.messages[key], batch.inputs, spec, ctx, program.runners, program.edge_ends, on_done
-        )
+        step = Step(ctx, batch.inputs, program.runners, program.edge_ends, hooks)
+        self._last_events = self.executor.run(mine, program.messages[key], spec, step)
         if not ctx.train:
             return
         if self._averager is not None:
@@ -203,7 +227,7 @@ class DistributedPipeline(PipelineBase):
                 average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
 
-    def _plan_messages(self, program: Program, actions: list, spec: Any) -> comm.ActionMessages:
+    def _plan_messages(self, program: RankProgram, actions: list, spec: Any) -> comm.ActionMessages:
         """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
         first = self.layout.replica * self.layout.workers
         ranks = range(first, first + self.layout.workers) if self.executor.fused else [self.layout.rank]
@@ -271,13 +295,6 @@ class DistributedPipeline(PipelineBase):
         them. Call it after the last step, before ``destroy_process_group()``; it also
         runs at interpreter exit. The process group stays: it is the script's."""
         self.watchdog.close()
-
-    def train(self, mode: bool = True) -> DistributedPipeline:
-        super().train(mode)
-        for program in self._programs.values():
-            for sk in program.skeletons:
-                sk.train(mode)
-        return self
 
     @property
     def num_workers(self) -> int:

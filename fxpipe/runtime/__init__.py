@@ -4,11 +4,13 @@
   caller's grad mode and autocast, the loss), captured once per call.
 - :mod:`~fxpipe.runtime.stage`: :class:`StageRunner`, one stage's forward and backward for
   one micro-batch; it returns the values to hand on instead of sending them.
-- :mod:`~fxpipe.runtime.local`: the local executor, threads and mailboxes around runners.
+- :mod:`~fxpipe.runtime.interpret`: the action loop both executors run (the one F/B/I/W
+  dispatch), over a ``Transport`` that says how values move, with hooks around actions.
+- :mod:`~fxpipe.runtime.local`: the local executor, threads and mailboxes around the loop.
 - :mod:`~fxpipe.runtime.pipeline`: :class:`PipelineBase`, the module-like API, micro-batch
   split and schedule cache of both pipelines.
 - :mod:`~fxpipe.runtime.streams`: CUDA streams and events on hand-offs (no-ops on CPU).
 
-The distributed executor (``fxpipe.distributed.runtime``) wraps the same runners with
+The distributed executor (``fxpipe.distributed.runtime``) runs the same loop with
 point-to-point communication. Nothing here imports a compiler pass.
 """

@@ -24,6 +24,7 @@ from fxpipe import loss_scale, microbatch
 from fxpipe.placement import skeleton
 from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
 from fxpipe.views import PipelineViews
@@ -35,16 +36,17 @@ class Program:
 
     part: the Partitioned of that signature's trace (its stages share the parameters of
     the first); runners: this process's stages by index; edge_ends: (producer, consumer)
-    stage per edge id; specs / messages: what the distributed runtime derives per
-    micro-batch signature; skeletons: meta copies of every stage (distributed fake runs).
+    stage per edge id.
     """
 
     part: Any
     runners: dict[int, StageRunner]
     edge_ends: list[tuple[int, int]]
-    specs: dict = field(default_factory=dict)
-    messages: dict = field(default_factory=dict)
-    skeletons: list = field(default_factory=list)
+
+    def train(self, mode: bool) -> None:
+        """Set the stage modules' train/eval mode (a program made for a mode runs in it)."""
+        for runner in self.runners.values():
+            runner.module.train(mode)
 
 
 @dataclass
@@ -179,6 +181,8 @@ class PipelineBase(PipelineViews):
         self._schedules: dict[tuple, Schedule] = {}
         self._programs: dict[Any, Program] = {}
         self._last_events: list = []
+        # called around every action this process runs (see fxpipe.runtime.interpret.ActionHook)
+        self.action_hooks: list[ActionHook] = []
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
@@ -200,11 +204,10 @@ class PipelineBase(PipelineViews):
             self._schedules[key] = actions if train else forward_only(actions)
         return self._schedules[key]
 
-    def _first_program(self, runners: dict[int, StageRunner], **extra: Any) -> None:
-        """Register the compile-time partition as the program of its signature."""
+    def _first_program(self, program: Program) -> None:
+        """Register the compile-time partition's program as the program of its signature."""
         key = (self.part.key.batch_free(), self.training) if self.part.key is not None else None
-        edge_ends = [(e.src, e.dst) for e in self.part.partitioned.edges]
-        self._programs[key] = Program(self.part, runners, edge_ends, **extra)
+        self._programs[key] = program
 
     def _program(self, args: tuple, kwargs: dict) -> Program:
         """The compiled stages for this call's input signature and train/eval mode: cached,
@@ -220,10 +223,7 @@ class PipelineBase(PipelineViews):
                 program = self._compile_program(args, kwargs)
             except Exception as err:
                 raise _with_signature_context(err, self.part.key, call_key) from err
-            for runner in program.runners.values():  # a program made for a mode runs in that mode
-                runner.module.train(self.training)
-            for sk in program.skeletons:
-                sk.train(self.training)
+            program.train(self.training)  # a program made for a mode runs in that mode
             self._programs[key] = program
         return self._programs[key]
 
@@ -445,6 +445,5 @@ class PipelineBase(PipelineViews):
         for module in self._modules:
             module.train(mode)
         for program in self._programs.values():  # later signatures' stage modules share submodules
-            for runner in program.runners.values():
-                runner.module.train(mode)
+            program.train(mode)
         return self
