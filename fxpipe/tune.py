@@ -23,7 +23,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.compiler import partition
 from fxpipe.cost_model import spec_for
+from fxpipe.factory import build_pipeline
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError
 from fxpipe.schedules import (
@@ -90,8 +92,6 @@ def sweep(
     counts above the batch size or a schedule that cannot run the plan's stages, and what
     ``fxpipe.partition`` raises.
     """
-    from fxpipe.compiler import build_pipeline, partition
-
     plan = Plan.coerce(plan)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)

@@ -12,15 +12,13 @@ elsewhere.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.compiler import partition_like
 from fxpipe.distributed import comm, startup
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
@@ -28,15 +26,16 @@ from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
-from fxpipe.partitioned import Partitioned
-from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
-from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
+from fxpipe.runtime.pipeline import Batch, Compiler, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
+
+if TYPE_CHECKING:
+    from fxpipe.partitioned import Partitioned
 
 
 @dataclass
@@ -71,6 +70,7 @@ class DistributedPipeline(PipelineBase):
         self,
         part: Partitioned,
         model: nn.Module,
+        compiler: Compiler,
         loss_fn: Any = None,
         weights: Weights = None,
         watchdog: Watchdog | None = None,
@@ -87,13 +87,15 @@ class DistributedPipeline(PipelineBase):
             startup.check_same_plan(self.watchdog, startup.plan_parts(part, layout), startup.plan_summary(part, layout))
         # every rank compiled the same plan and holds its stages: connect them
         try:
-            self._connect(part, model, loss_fn, modules, aliases)
+            self._connect(part, model, compiler, loss_fn, modules, aliases)
         except RankFailedError:
             raise
         except Exception as err:  # a peer that died during set-up breaks the collectives
             raise self.watchdog.lost(err, [r for r in range(layout.world) if r != layout.rank]) from err
 
-    def _connect(self, part: Partitioned, model: nn.Module, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]) -> None:
+    def _connect(
+        self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]
+    ) -> None:
         """Set-up across ranks: the process group, the mesh, tied weights, replicas' weights."""
         plan, layout = part.plan, self.layout
         num_stages = part.num_stages
@@ -112,7 +114,7 @@ class DistributedPipeline(PipelineBase):
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
         self._modules = [modules[s] for s in self.local_stages]
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
@@ -173,15 +175,14 @@ class DistributedPipeline(PipelineBase):
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
         """Another input signature's stages: this rank's share the materialized parameters;
         the others are meta skeletons, for shapes. Every rank traces the same call alike."""
-        local = {s: self._programs_first().runners[s].module for s in self.local_stages}
+        local = [self._programs_first().runners[s].module for s in self.local_stages]
 
-        def resolve_for(stage: int) -> Any:
-            roots = list(local.values()) if stage in local else [self._model]
-            return functools.partial(lookup, roots)
+        def roots_for(stage: int) -> list[nn.Module]:
+            return local if stage in self.local_stages else [self._model]
 
         with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
             self.watchdog.running("compiling a new input signature")
-            part = partition_like(self.part, self._model, args, kwargs, resolve_for)
+            part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
         return RankProgram(part, runners, _edge_ends(part), skeletons=skeletons)
@@ -200,7 +201,9 @@ class DistributedPipeline(PipelineBase):
             key = (signature(flat), ctx.train, modes, ctx.autocast)
             if key not in program.specs:
                 extras = [fake_extras(st) for st in stages]
-                program.specs[key] = derive_edge_specs(program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras)
+                program.specs[key] = derive_edge_specs(
+                    program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras, replay=self._compiler.fake_replay()
+                )
             keys.append(key)
         return [program.specs[k] for k in keys], tuple(keys)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,24 @@ from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.stage import StageRunner
 from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
 from fxpipe.views import PipelineViews
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """The compiler's work a pipeline asks for while it runs, handed in by ``fxpipe.factory``
+    so that no pipeline or executor imports the compiler or a pass.
+
+    retrace(first, model, args, kwargs, roots_for): the Partitioned of another input
+    signature, cut like ``first`` (``fxpipe.compiler.partition_like``; roots_for(s): the
+    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs):
+    which tensor outputs follow the batch, asked on fake tensors
+    (``fxpipe.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
+    (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
+    """
+
+    retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
+    batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
+    fake_replay: Callable[[], Any]
 
 
 @dataclass
@@ -168,8 +186,9 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, model: nn.Module) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler) -> None:
         self.part = part
+        self._compiler = compiler
         self.plan = part.plan
         self.loss_fn = loss_fn
         self.frontend = part.frontend
@@ -342,7 +361,7 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
-            self._batched[key] = microbatch.batched_outputs(self._model, args, kwargs)
+            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
