@@ -20,7 +20,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.auto_split import auto_split
 from fxpipe.cost_model import Calibration
-from fxpipe.devices import default_devices
 from fxpipe.loss_scale import model_losses
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
@@ -39,39 +38,12 @@ from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
 from fxpipe.progress import Progress
-from fxpipe.schedules import (
-    Schedule,
-    ScheduleError,
-    describe_schedule,
-    resolve_schedule,
-    stage_workers,
-)
+from fxpipe.schedules import stage_workers
 from fxpipe.stage import Stage
 
 
 class CompileError(ValueError):
     """A plan the compiler cannot honour for this model; the message names the culprit."""
-
-
-def _stage_devices(plan: Plan, workers: list[int], tag_devices: list[str] | None, how: str) -> list[str]:
-    """The device of every stage: ``plan.devices`` lists one per stage, or one per worker
-    (stage s then runs on the device of the worker the schedule puts it on: ``workers[s]``)."""
-    num_stages, num_workers = len(workers), max(workers) + 1
-    devices = plan.devices
-    if devices is None:
-        if tag_devices:
-            return list(tag_devices)
-        per_worker = default_devices(num_workers)
-        return [per_worker[w] for w in workers]
-    if len(devices) == num_stages:
-        return list(devices)
-    if len(devices) == num_workers:
-        return [devices[w] for w in workers]
-    raise PlanError(
-        f"plan.devices lists {len(devices)} device(s) but {how} gives {num_stages} stage(s) on "
-        f"{num_workers} worker(s) of the schedule {describe_schedule(plan.schedule)}; list one device per "
-        f"stage or one per worker, e.g. devices={default_devices(num_workers)}"
-    )
 
 
 def _annotate(graph, plan: Plan, model: nn.Module, profile: Profile | None) -> tuple[annotate_pass.StageAssignment, str]:
@@ -254,10 +226,9 @@ def _cut(
     stage_anchors = annotate_pass.anchors(gm.graph) if plan.split == "auto" and assignment.num_stages > 1 else []
     number_random_ops(gm.graph, gm)  # keys from the whole graph: a node's masks do not depend on the split
     cut = partition_pass(gm.graph, assignment.num_stages)
-    deps = sorted({(e.src, e.dst) for e in cut.edges})
-    actions = _schedule(plan, assignment.num_stages, deps)
+    actions = plan.actions(assignment.num_stages, deps=cut.deps)
     workers = stage_workers(actions)
-    devices = devices or _stage_devices(plan, workers, assignment.tag_devices, how)
+    devices = devices or plan.stage_devices(workers, assignment.tag_devices, how)
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
     split_backward = any(a.op in ("I", "W") for todo in actions for a in todo)
@@ -288,7 +259,7 @@ def _cut(
     last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]
     return Partitioned(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
-        example_inputs, example_kwargs, list(traced.notes), deps, workers,
+        example_inputs, example_kwargs, list(traced.notes), workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
         model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
     )
@@ -318,14 +289,6 @@ def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
         for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
         if not touched(name)
     }
-
-
-def _schedule(plan: Plan, num_stages: int, deps: list[tuple[int, int]]) -> Schedule:
-    """The plan's schedule for its micro-batch count, proven to run on this stage graph."""
-    try:
-        return resolve_schedule(plan.schedule, num_stages, plan.microbatches, plan.chunks, deps)
-    except ScheduleError as err:
-        raise PlanError(f"plan.schedule={describe_schedule(plan.schedule)}: {err}") from err
 
 
 __all__ = ["CompileError", "on_meta", "partition", "partition_like"]

@@ -53,7 +53,7 @@ class Pipeline(PipelineBase):
         return self._program_of(self._compiler.retrace(self.part, self._model, args, kwargs, self._roots_for))
 
     def _program_of(self, part: Partitioned) -> Program:
-        return Program(part, self._runners(part.stages), [(e.src, e.dst) for e in part.partitioned.edges])
+        return Program(part, self._runners(part.stages))
 
     def _roots_for(self, stage: int) -> list[nn.Module]:
         """Where stage ``stage`` of a later signature finds its targets: the placed copies on its device."""
@@ -63,8 +63,8 @@ class Pipeline(PipelineBase):
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
         self._placement.sync_replicas()
-        actions = self._actions(len(batch.inputs), ctx.train, program.part)
-        step = Step(ctx, batch.inputs, program.runners, program.edge_ends, self.action_hooks)
+        actions = program.part.actions(len(batch.inputs), ctx.train)
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, self.action_hooks)
         self._last_events = self._executor.run(actions, step)
         if ctx.train:
             self._placement.reduce_replica_grads()

@@ -251,7 +251,7 @@ def test_action_hooks_see_every_action_before_and_after_it_runs_in_schedule_orde
     hook = _Recorder()
     pipe.action_hooks.append(hook)
     pipe.step(x, target=t)
-    lists = pipe._actions(4, True)
+    lists = pipe.part.actions(4, train=True)
     expected = sorted([[(when, str(a)) for a in plan for when in ("before", "after")] for plan in lists])
     assert sorted(hook.seen.values()) == expected
     failing = _Recorder(fail_at="F1:2")

@@ -27,7 +27,7 @@ from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
-from fxpipe.plan import PlanError
+from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
 from fxpipe.runtime.pipeline import Batch, Compiler, PipelineBase, Program, make_runner
@@ -52,10 +52,6 @@ class RankProgram(Program):
         super().train(mode)
         for sk in self.skeletons:
             sk.train(mode)
-
-
-def _edge_ends(part: Partitioned) -> list[tuple[int, int]]:
-    return [(e.src, e.dst) for e in part.partitioned.edges]
 
 
 class DistributedPipeline(PipelineBase):
@@ -120,7 +116,7 @@ class DistributedPipeline(PipelineBase):
         self._params, self._state = model_names(model, held, aliases)
         self._partial_state = True
         self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
-        self._first_program(RankProgram(self.part, runners, _edge_ends(self.part), skeletons=self._skeletons))
+        self._first_program(RankProgram(self.part, runners, skeletons=self._skeletons))
         self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
         self._averager = None
         self._dp_group = None
@@ -185,7 +181,7 @@ class DistributedPipeline(PipelineBase):
             part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
-        return RankProgram(part, runners, _edge_ends(part), skeletons=skeletons)
+        return RankProgram(part, runners, skeletons=skeletons)
 
     def _programs_first(self) -> RankProgram:
         return next(iter(self._programs.values()))
@@ -210,7 +206,7 @@ class DistributedPipeline(PipelineBase):
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
         specs, key = self._edge_specs(program, batch.inputs, ctx)
-        actions = self._actions(len(batch.inputs), ctx.train, program.part)
+        actions = program.part.actions(len(batch.inputs), ctx.train)
         spec = lambda e, i: specs[i][e]  # noqa: E731
         if key not in program.messages:  # key holds ``train`` already
             program.messages[key] = self._plan_messages(program, actions, spec)
@@ -220,7 +216,7 @@ class DistributedPipeline(PipelineBase):
             hooks.append(after_last_backward(mine, self._averager.start))
         if ctx.train:
             self._tied.before_step()
-        step = Step(ctx, batch.inputs, program.runners, program.edge_ends, hooks)
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks)
         self._last_events = self.executor.run(mine, program.messages[key], spec, step)
         if not ctx.train:
             return
@@ -237,7 +233,7 @@ class DistributedPipeline(PipelineBase):
         stages = program.part.stages
         recv, send = [st.recv_ids for st in stages], [st.send_ids for st in stages]
         plans = {
-            r: comm.messages_for(actions[r - first], recv, send, program.edge_ends, self.layout.rank_of_stage, r, spec)
+            r: comm.messages_for(actions[r - first], recv, send, program.part.edge_ends, self.layout.rank_of_stage, r, spec)
             for r in ranks
         }
         if not self.executor.fused:
@@ -245,7 +241,7 @@ class DistributedPipeline(PipelineBase):
         try:
             return comm.nccl_plans(plans)[self.layout.rank]
         except comm.CommPlanError as err:
-            raise PlanError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
+            raise PlanScheduleError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
 
     def _holds_last(self) -> bool:
         return self.is_last

@@ -26,7 +26,6 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.stage import StageRunner
-from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
 from fxpipe.views import PipelineViews
 
 
@@ -53,13 +52,12 @@ class Program:
     """One input signature's compiled stages, as this process runs them.
 
     part: the Partitioned of that signature's trace (its stages share the parameters of
-    the first); runners: this process's stages by index; edge_ends: (producer, consumer)
-    stage per edge id.
+    the first; it holds the schedule, ``part.actions(m, train)``, and the edge ends);
+    runners: this process's stages by index.
     """
 
     part: Any
     runners: dict[int, StageRunner]
-    edge_ends: list[tuple[int, int]]
 
     def train(self, mode: bool) -> None:
         """Set the stage modules' train/eval mode (a program made for a mode runs in it)."""
@@ -197,7 +195,6 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._batched: dict[tuple, dict[str, bool]] = {}
-        self._schedules: dict[tuple, Schedule] = {}
         self._programs: dict[Any, Program] = {}
         self._last_events: list = []
         # called around every action this process runs (see fxpipe.runtime.interpret.ActionHook)
@@ -205,24 +202,6 @@ class PipelineBase(PipelineViews):
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
-    def _actions(self, m: int, train: bool, part: Any = None) -> Schedule:
-        """Every worker's action list for ``m`` micro-batches (forwards only for inference),
-        proven to run on the stage graph of ``part`` (a signature's; default the first).
-        Raises ScheduleError when the plan's schedule cannot serve ``m`` or would move a
-        stage to another worker than it was placed on."""
-        part = part or self.part
-        key = (m, train, tuple(part.deps))
-        if key not in self._schedules:
-            actions = resolve_schedule(self.plan.schedule, part.num_stages, m, self.plan.chunks, part.deps)
-            if stage_workers(actions) != part.stage_workers:
-                raise ScheduleError(
-                    f"the schedule for {m} micro-batches puts the stages on workers {stage_workers(actions)}, "
-                    f"but they were placed for workers {part.stage_workers}; a schedule must place stages "
-                    "the same way for every micro-batch count"
-                )
-            self._schedules[key] = actions if train else forward_only(actions)
-        return self._schedules[key]
-
     def _first_program(self, program: Program) -> None:
         """Register the compile-time partition's program as the program of its signature."""
         key = (self.part.key.batch_free(), self.training) if self.part.key is not None else None
