@@ -13,11 +13,11 @@ from fxpipe.compiler import CompileError, partition
 from fxpipe.devices import DeviceError
 from fxpipe.factory import compile
 from fxpipe.guard import device_guard
+from fxpipe.local_pipeline import Pipeline
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.trace import TraceError
-from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
 from fxpipe.runtime.local import PipelineError
@@ -26,7 +26,7 @@ from fxpipe.stage import Stage
 from fxpipe.tune import tune
 
 # fxpipe.distributed loads when one of its names is first asked for (or a compile runs)
-_DISTRIBUTED = {"DistributedPipeline": "fxpipe.distributed.pipeline", "RankFailedError": "fxpipe.distributed.faults"}
+_DISTRIBUTED = {"DistributedPipeline": "fxpipe.distributed.rank_pipeline", "RankFailedError": "fxpipe.distributed.faults"}
 
 
 def __getattr__(name: str) -> Any:

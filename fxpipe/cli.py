@@ -190,6 +190,7 @@ def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import fxpipe
+    from fxpipe.passes.meta import VAL
 
     model = load_model(args.model, parse_model_args(args.model_arg))
     model.train()
@@ -199,7 +200,7 @@ def run_train(args: argparse.Namespace) -> int:
     out = _out_dir(args.out, args.prefix)
     print(pipe.summary())
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
-    output_value = next(n for n in pipe.graph.nodes if n.op == "output").meta.get("val")
+    output_value = next(n for n in pipe.graph.nodes if n.op == "output").meta.get(VAL)
     generator = torch.Generator().manual_seed(args.seed)
     with tqdm(range(args.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
         for step in bar:

@@ -1,6 +1,6 @@
 """``fxpipe.compile`` and ``build_pipeline``: a partition made into a pipeline that runs.
 
-The one module that picks the local :class:`~fxpipe.pipeline.Pipeline` or, when this
+The one module that picks the local :class:`~fxpipe.local_pipeline.Pipeline` or, when this
 process is one of several (torchrun), the ``DistributedPipeline``, and the one that hands
 the pipelines what they ask of the compiler while they run (:data:`COMPILER`: the retrace
 of a new input signature and the questions asked on fake tensors), so that no pipeline
@@ -22,12 +22,12 @@ from torch import nn
 from fxpipe.batched_outputs import batched_outputs
 from fxpipe.compiler import CompileError, on_meta, partition, partition_like
 from fxpipe.devices import check_available
+from fxpipe.local_pipeline import Pipeline
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.fake_replay import FakeReplay
-from fxpipe.pipeline import Pipeline
 from fxpipe.plan import Plan
 from fxpipe.profile import Profile
-from fxpipe.runtime.pipeline import Compiler
+from fxpipe.runtime.pipeline_base import Compiler
 
 COMPILER = Compiler(
     retrace=partition_like,
@@ -85,7 +85,7 @@ def _compile_distributed(
     """This rank's DistributedPipeline; the store is joined first, so that a rank failing
     to compile is named on every other rank."""
     from fxpipe.distributed import startup
-    from fxpipe.distributed.pipeline import DistributedPipeline
+    from fxpipe.distributed.rank_pipeline import DistributedPipeline
 
     watchdog = startup.join(plan.timeout)
     with startup.failures_recorded(watchdog):

@@ -97,10 +97,9 @@ def _matching(prefixes: tuple[str, ...]) -> list[str]:
 
 PASSES = ("fxpipe.passes",)
 COMPILER = ("fxpipe.compiler", "fxpipe.factory")
-PIPELINES = ("fxpipe.pipeline", "fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
-LOCAL_RUNTIME = ("fxpipe.pipeline", "fxpipe.runtime.local")
+PIPELINES = ("fxpipe.local_pipeline", "fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
+LOCAL_RUNTIME = ("fxpipe.local_pipeline", "fxpipe.runtime.local")
 DISTRIBUTED_RUNTIME = ("fxpipe.distributed",)
-SHARED_RUNTIME = tuple(m for m in _matching(("fxpipe.runtime",)) if m != "fxpipe.runtime.local")
 
 
 def test_no_import_cycles_even_through_imports_inside_functions() -> None:
@@ -108,7 +107,7 @@ def test_no_import_cycles_even_through_imports_inside_functions() -> None:
     assert not cycles, f"modules that import each other (directly or through others): {cycles}"
 
 
-@pytest.mark.parametrize("module", _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.pipeline")))
+@pytest.mark.parametrize("module", _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline")))
 def test_runtimes_import_no_pass_and_not_each_other(module: str) -> None:
     reached = _reached(module)
     bad = sorted(m for m in reached if m in _matching(PASSES + COMPILER))
@@ -138,6 +137,15 @@ def test_drawings_and_timelines_import_no_executor_and_plot_lazily(module: str) 
     names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
     eager = sorted(name for name in names if name and name.split(".")[0] in ("matplotlib", "graphviz"))
     assert not eager, f"{module} imports {eager} at module level: load them only when a picture is asked for"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    stems: dict[str, list[str]] = {}
+    for name, path in _sources().items():
+        if path.stem not in ("__init__", "__main__"):
+            stems.setdefault(path.stem, []).append(name)
+    shared = {stem: names for stem, names in stems.items() if len(names) > 1}
+    assert not shared, f"modules named alike say less than their role: {shared}"
 
 
 def test_importing_fxpipe_loads_no_distributed_module() -> None:

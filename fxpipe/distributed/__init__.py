@@ -18,7 +18,7 @@ from typing import Any
 from fxpipe.distributed.launch import LaunchError, launch
 
 _WHERE = {
-    "DistributedPipeline": "pipeline",
+    "DistributedPipeline": "rank_pipeline",
     "MaterializeError": "materialize",
     "PlanMismatchError": "faults",
     "RankFailedError": "faults",

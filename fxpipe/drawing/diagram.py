@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 
 from fxpipe import format as fmt
-from fxpipe.passes.annotate import STAGE
-from fxpipe.passes.partition import EDGE, fxpipe_recv, fxpipe_send
+from fxpipe.passes.meta import EDGE, MODULE_PATH, STAGE, VAL
+from fxpipe.passes.partition import fxpipe_recv, fxpipe_send
 from fxpipe.passes.shape_prop import describe
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def _node_diagram(part: Partitioned) -> Diagram:
 
 def _node_lines(node: fx.Node, module: fx.GraphModule | None) -> list[str]:
     """Title (node name), what it calls and where (module path), and its output shape."""
-    path = node.meta.get("module_path", "")
+    path = node.meta.get(MODULE_PATH, "")
     if node.op == "placeholder":
         what = "input"
     elif node.op == "output":
@@ -209,8 +209,8 @@ def _node_lines(node: fx.Node, module: fx.GraphModule | None) -> list[str]:
     if path and path != node.name:
         what += f" · {path}"
     lines = [node.name, what]
-    if "val" in node.meta:
-        lines.append(describe(node.meta["val"]))
+    if VAL in node.meta:
+        lines.append(describe(node.meta[VAL]))
     return lines
 
 
@@ -230,7 +230,7 @@ def _stage_diagram(part: Partitioned) -> Diagram:
     diagram = Diagram(f"{part.model_name}: {part.num_stages} stage(s), stage view", "stage", rankdir)
     inputs = [n for n in part.graph.nodes if n.op == "placeholder"]
     if inputs:
-        lines = ["input"] + [f"{n.name}: {describe(n.meta['val'])}" if "val" in n.meta else n.name for n in inputs]
+        lines = ["input"] + [f"{n.name}: {describe(n.meta[VAL])}" if VAL in n.meta else n.name for n in inputs]
         diagram.boxes.append(Box("input", lines, shape="io"))
     for stage, estimate in zip(part.stages, part.estimates()):
         lines = [f"stage {stage.index} · {stage.device}"]
@@ -252,7 +252,7 @@ def _stage_diagram(part: Partitioned) -> Diagram:
         diagram.links.append(Link(f"stage{src}", f"stage{dst}", label, cut=True))
     output = next((n for n in part.graph.nodes if n.op == "output"), None)
     if output is not None:
-        value = fx.map_arg(output.args[0], lambda n: n.meta.get("val"))
+        value = fx.map_arg(output.args[0], lambda n: n.meta.get(VAL))
         diagram.boxes.append(Box("output", ["output", describe(value)], shape="io"))
         diagram.links.append(Link(f"stage{part.num_stages - 1}", "output"))
     return diagram

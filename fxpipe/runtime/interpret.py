@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from fxpipe.runtime import inject
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.runner import StageRunner
 from fxpipe.schedules import Action
 from fxpipe.timeline import Event
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.runtime.interpret import ACT, Step, inbound, interpret, outbound
-from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.runner import StageRunner
 from fxpipe.runtime.streams import WorkerStream
 from fxpipe.schedules import Action
 from fxpipe.timeline import Event

@@ -3,7 +3,8 @@
 The module-like API over the tensors this process holds (``named_parameters``,
 ``state_dict``, ``load_state_dict``, ``zero_grad``, ``train``), the micro-batch split
 (data-parallel replicas take their shard first), the per-micro-batch loss weights, the
-schedule cache and the call/step flow. A subclass says how one call executes
+cache of programs per input signature and the call/step flow (the schedule is the
+program's partition's: ``part.actions(m, train)``). A subclass says how one call executes
 (``_execute``), what the caller gets back (``_output``, ``_step_loss``) and what follows a
 ``load_state_dict`` (``_after_load``).
 """
@@ -25,7 +26,7 @@ from fxpipe.placement import skeleton
 from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import ActionHook
-from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.runner import StageRunner
 from fxpipe.views import PipelineViews
 
 

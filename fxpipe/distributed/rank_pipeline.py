@@ -20,17 +20,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.distributed import comm, startup
+from fxpipe.distributed.executor import RankExecutor
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
-from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
-from fxpipe.runtime.pipeline import Batch, Compiler, PipelineBase, Program, make_runner
+from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
 

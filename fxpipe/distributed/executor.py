@@ -1,7 +1,7 @@
 """The per-rank executor: one rank walks its own action list of the shared schedule.
 
 It runs the shared action loop (:func:`~fxpipe.runtime.interpret.interpret`) over the same
-:class:`~fxpipe.runtime.stage.StageRunner` as the local executor; what it adds is the
+:class:`~fxpipe.runtime.runner.StageRunner` as the local executor; what it adds is the
 transport: ``F(s, i)`` gets micro-batch i's values (received buffers, or same-rank values),
 and its outputs are sent; ``B(s, i)`` gets the gradients of those outputs, and the
 gradients of its inputs are sent back. Messages are planned by
@@ -23,7 +23,7 @@ from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
 from fxpipe.runtime.interpret import ACT, GRAD, Step, inbound, interpret, outbound
-from fxpipe.runtime.stage import Grads, StageRunner
+from fxpipe.runtime.runner import Grads, StageRunner
 from fxpipe.schedules import Action
 from fxpipe.timeline import Event
 
