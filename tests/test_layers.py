@@ -139,6 +139,19 @@ def test_drawings_and_timelines_import_no_executor_and_plot_lazily(module: str) 
     assert not eager, f"{module} imports {eager} at module level: load them only when a picture is asked for"
 
 
+def test_runtime_functions_stay_short_and_dispatch_actions_in_one_place() -> None:
+    runtime = _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline"))
+    long = [
+        f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for name in runtime
+        for node in ast.walk(ast.parse(_sources()[name].read_text()))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert not long, f"runtime functions over 60 lines: {long}"
+    dispatching = [name for name in runtime if 'op == "B"' in _sources()[name].read_text()]
+    assert dispatching == ["fxpipe.runtime.interpret"], f"F/B/I/W dispatched in {dispatching}: use runtime.interpret.dispatch"
+
+
 def test_no_two_modules_share_a_name() -> None:
     stems: dict[str, list[str]] = {}
     for name, path in _sources().items():

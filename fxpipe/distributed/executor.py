@@ -111,12 +111,12 @@ class _RankTransport:
             peer_stages=self._peer_stages(self.plan.recvs[k]),
         )
         self.executor.watchdog.running(str(action), action.stage)
-        kind, edges = inbound(action, runner)
+        kind, edges = inbound(action, runner.recv, runner.send)
         take = self._activation if kind == ACT else self._gradients
         return [take(edge, action.microbatch) for edge in edges]
 
     def send(self, k: int, action: Action, runner: StageRunner, results: list[Any]) -> None:
-        kind, edges = outbound(action, runner)
+        kind, edges = outbound(action, runner.recv, runner.send)
         remote = {msg.edge: msg for msg in self.plan.sends[k]}
         sends = []
         for edge, value in zip(edges, results):

@@ -117,24 +117,26 @@ class Transport(Protocol):
         ...
 
 
-def inbound(action: Action, runner: StageRunner) -> tuple[str, list[int]]:
-    """What ``action`` waits for: (ACT, the stage's receive edges) for F, (GRAD, its send
-    edges) for B and I, nothing for W (its work was left on this worker by the I)."""
+def inbound(action: Action, recv: list[int], send: list[int]) -> tuple[str, list[int]]:
+    """What ``action`` of a stage with receive edges ``recv`` and send edges ``send`` waits
+    for: (ACT, ``recv``) for F, (GRAD, ``send``) for B and I, nothing for W (its work was
+    left on this worker by the I). An ACT comes from an edge's producer, a GRAD from its
+    consumer."""
     if action.op == "F":
-        return ACT, runner.recv
+        return ACT, recv
     if action.op == "W":
         return GRAD, []
-    return GRAD, runner.send
+    return GRAD, send
 
 
-def outbound(action: Action, runner: StageRunner) -> tuple[str, list[int]]:
-    """What ``action`` hands on: (ACT, the stage's send edges) for F, (GRAD, its receive
-    edges) for B and I, nothing for W."""
+def outbound(action: Action, recv: list[int], send: list[int]) -> tuple[str, list[int]]:
+    """What ``action`` hands on: (ACT, ``send``) for F, (GRAD, ``recv``) for B and I,
+    nothing for W. An ACT goes to an edge's consumer, a GRAD to its producer."""
     if action.op == "F":
-        return ACT, runner.send
+        return ACT, send
     if action.op == "W":
         return GRAD, []
-    return GRAD, runner.recv
+    return GRAD, recv
 
 
 def dispatch(action: Action, runner: StageRunner, step: Step, received: list[Any]) -> list[Any]:

@@ -145,13 +145,13 @@ class _MailboxTransport:
         return self.stream.active()
 
     def receive(self, k: int, action: Action, runner: StageRunner) -> list[Any]:
-        kind, edges = inbound(action, runner)
+        kind, edges = inbound(action, runner.recv, runner.send)
         values = [self.stream.receive(*self.box.take((kind, e, action.microbatch), self.state)) for e in edges]
         self.state.since = time.monotonic()
         return values
 
     def send(self, k: int, action: Action, runner: StageRunner, results: list[Any]) -> None:
-        kind, edges = outbound(action, runner)
+        kind, edges = outbound(action, runner.recv, runner.send)
         if not results:
             return
         event = self.stream.record()
