@@ -14,7 +14,7 @@ For each action of its list, in order, the loop:
    action) and calls every hook's ``after``.
 
 Any error raised on the way goes through ``transport.failed``, which names the stage and
-the action; then ``transport.finish`` ends the worker's step.
+the action; after the last action, ``transport.finish`` waits for what is still in flight.
 
 The executors differ only in their transport: the local one
 (:mod:`~fxpipe.runtime.local`) hands values to other threads through a mailbox, with a
