@@ -7,21 +7,35 @@ interleaved 1F1B, the zero-bubble ZB-H1 and ZB-V, or your own lists of ``fxpipe.
 (checked by ``fxpipe.check_schedule`` before anything runs).
 """
 
-from fxpipe.compiler import CompileError, compile, partition
+from typing import Any
+
+from fxpipe.compiler import CompileError, partition
 from fxpipe.devices import DeviceError
-from fxpipe.distributed import DistributedPipeline, RankFailedError
+from fxpipe.factory import compile
 from fxpipe.guard import device_guard
+from fxpipe.local_pipeline import Pipeline
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.trace import TraceError
-from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
 from fxpipe.runtime.local import PipelineError
 from fxpipe.schedules import Action, ScheduleError, check_schedule
 from fxpipe.stage import Stage
 from fxpipe.tune import tune
+
+# fxpipe.distributed loads when one of its names is first asked for (or a compile runs)
+_DISTRIBUTED = {"DistributedPipeline": "fxpipe.distributed.rank_pipeline", "RankFailedError": "fxpipe.distributed.faults"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DISTRIBUTED:
+        import importlib
+
+        return getattr(importlib.import_module(_DISTRIBUTED[name]), name)
+    raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
+
 
 __all__ = [
     "Action",

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from fxpipe import format as fmt
 from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
-from fxpipe.estimates import in_flight, measured_device, plan_schedule, play
+from fxpipe.estimates import in_flight, measured_device, play
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
@@ -32,8 +32,8 @@ from fxpipe.passes.split_solver import (
     refine,
     solve,
 )
-from fxpipe.plan import Plan, PlanError
-from fxpipe.schedules import Schedule, ScheduleError, describe_schedule, stage_workers
+from fxpipe.plan import Plan, PlanError, PlanScheduleError
+from fxpipe.schedules import Schedule, describe_schedule, stage_workers
 
 # the exact min-max split gives way to the schedule-refined one only when the simulated
 # step is at least this much shorter: smaller gains are far below the model's error
@@ -64,13 +64,10 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
     num_stages = len(plan.devices or []) * plan.chunks
     m = plan.microbatches
     try:
-        actions = plan_schedule(plan, num_stages, m)
-    except ScheduleError as err:
-        raise PlanError(
-            f"split='auto' makes {num_stages} stage(s) (one per plan.devices entry, times chunks), which "
-            f"plan.schedule={describe_schedule(plan.schedule)} cannot run: {err}"
-        ) from err
-    devices = _stage_devices(plan, stage_workers(actions))
+        actions = plan.actions(num_stages)
+    except PlanScheduleError as err:
+        raise PlanScheduleError(f"split='auto' makes {num_stages} stage(s) (one per plan.devices entry, times chunks): {err}") from err
+    devices = plan.stage_devices(stage_workers(actions), how="split='auto'")
     models = stage_models(plan, devices, calibration)
     compute = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(compute) < num_stages:
@@ -84,7 +81,7 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         [[mdl.node_phases(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
         dtype=torch.float64,
     )  # stages x nodes x (forward, input gradient, weight gradient)
-    flight = in_flight(plan, num_stages)
+    flight = in_flight(plan, actions, num_stages)
     problem = SplitProblem(
         item_time=phases.sum(2),
         cut_bytes=cuts,
@@ -135,15 +132,6 @@ def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:
         elif node in position:
             state[position[node]] += state_bytes(cost_of(node))
     return state
-
-
-def _stage_devices(plan: Plan, workers: list[int]) -> list[str]:
-    """Each stage's device: ``plan.devices`` lists one per stage, or one per worker of the
-    schedule (a stage runs on its worker's device), as the compiler places them."""
-    devices = list(plan.devices or [])
-    if len(devices) == len(workers):
-        return devices
-    return [devices[w % len(devices)] for w in workers]
 
 
 def _simulated_step(actions: Schedule, m: int, models: list[DeviceModel], phases: torch.Tensor, cuts: list[float]) -> Callable[[list[int]], float]:

@@ -1,11 +1,15 @@
-"""``fxpipe.partition`` and ``fxpipe.compile``: the passes in order, then placement."""
+"""``fxpipe.partition``: the compiler passes in order, the only driver of the passes.
+
+``partition`` traces a model and cuts it into stages (a :class:`Partitioned`, nothing
+placed); ``partition_like`` cuts another input signature's trace at the same places.
+``fxpipe.factory`` builds pipelines from the result; this module imports no pipeline.
+"""
 
 from __future__ import annotations
 
 import copy
 import functools
 import itertools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +20,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.auto_split import auto_split
 from fxpipe.cost_model import Calibration
-from fxpipe.devices import check_available, default_devices
 from fxpipe.loss_scale import model_losses
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
@@ -35,39 +38,12 @@ from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
 from fxpipe.progress import Progress
-from fxpipe.schedules import (
-    Schedule,
-    ScheduleError,
-    describe_schedule,
-    resolve_schedule,
-    stage_workers,
-)
+from fxpipe.schedules import stage_workers
 from fxpipe.stage import Stage
 
 
 class CompileError(ValueError):
     """A plan the compiler cannot honour for this model; the message names the culprit."""
-
-
-def _stage_devices(plan: Plan, workers: list[int], tag_devices: list[str] | None, how: str) -> list[str]:
-    """The device of every stage: ``plan.devices`` lists one per stage, or one per worker
-    (stage s then runs on the device of the worker the schedule puts it on: ``workers[s]``)."""
-    num_stages, num_workers = len(workers), max(workers) + 1
-    devices = plan.devices
-    if devices is None:
-        if tag_devices:
-            return list(tag_devices)
-        per_worker = default_devices(num_workers)
-        return [per_worker[w] for w in workers]
-    if len(devices) == num_stages:
-        return list(devices)
-    if len(devices) == num_workers:
-        return [devices[w] for w in workers]
-    raise PlanError(
-        f"plan.devices lists {len(devices)} device(s) but {how} gives {num_stages} stage(s) on "
-        f"{num_workers} worker(s) of the schedule {describe_schedule(plan.schedule)}; list one device per "
-        f"stage or one per worker, e.g. devices={default_devices(num_workers)}"
-    )
 
 
 def _annotate(graph, plan: Plan, model: nn.Module, profile: Profile | None) -> tuple[annotate_pass.StageAssignment, str]:
@@ -150,15 +126,16 @@ def partition_like(
     model: nn.Module,
     args: tuple,
     kwargs: Mapping[str, Any],
-    resolve_for: Callable[[int], Callable[[str], Any]],
+    roots_for: Callable[[int], list[nn.Module]],
 ) -> Partitioned:
     """The partition of another call signature of ``first``'s model: traced again for
     ``model(*args, **kwargs)``, cut at the same stage boundaries, on the same devices.
 
     ``model`` is a skeleton of the model (``fxpipe.placement.skeleton``: code and
     structure, no memory); it is traced on fake tensors placed where the real ones are.
-    ``resolve_for(s)`` resolves a target for stage ``s`` (the placed modules and tensors of
-    its device, so every signature's stages share the same parameters). Raises
+    ``roots_for(s)`` lists the modules stage ``s``'s targets are looked up in, by
+    qualified name (the placed stage modules of its device, so every signature's stages
+    share the same parameters). Raises
     TraceError/TraceMismatch when the call cannot be traced faithfully, AnnotateError when
     the new trace lacks a stage boundary of the first, PlanError when it would need
     another number of stages or another placement.
@@ -179,7 +156,7 @@ def partition_like(
         )
     own = functools.partial(_shared_or_traced, traced)
     part = _cut(
-        traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, resolve_for(s)), {}, args, dict(kwargs),
+        traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, functools.partial(lookup, roots_for(s))), {}, args, dict(kwargs),
         devices=first.devices, calibration=first.calibration,
     )
     if part.stage_workers != first.stage_workers:
@@ -249,10 +226,9 @@ def _cut(
     stage_anchors = annotate_pass.anchors(gm.graph) if plan.split == "auto" and assignment.num_stages > 1 else []
     number_random_ops(gm.graph, gm)  # keys from the whole graph: a node's masks do not depend on the split
     cut = partition_pass(gm.graph, assignment.num_stages)
-    deps = sorted({(e.src, e.dst) for e in cut.edges})
-    actions = _schedule(plan, assignment.num_stages, deps)
+    actions = plan.actions(assignment.num_stages, deps=cut.deps)
     workers = stage_workers(actions)
-    devices = devices or _stage_devices(plan, workers, assignment.tag_devices, how)
+    devices = devices or plan.stage_devices(workers, assignment.tag_devices, how)
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
     split_backward = any(a.op in ("I", "W") for todo in actions for a in todo)
@@ -283,19 +259,20 @@ def _cut(
     last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]
     return Partitioned(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
-        example_inputs, example_kwargs, list(traced.notes), deps, workers,
+        example_inputs, example_kwargs, list(traced.notes), workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
         model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
     )
 
 
-def _on_meta(model: nn.Module) -> bool:
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model has tensors on the meta device (built for shapes, not values)."""
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _on_model_device(model: nn.Module, inputs: list) -> list:
     """Inputs as meta tensors when the model is on the meta device, so shapes propagate."""
-    if not _on_meta(model):
+    if not on_meta(model):
         return inputs
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), inputs)
 
@@ -314,73 +291,4 @@ def _unused_state(model: nn.Module, used: set[str]) -> dict[str, Any]:
     }
 
 
-def _schedule(plan: Plan, num_stages: int, deps: list[tuple[int, int]]) -> Schedule:
-    """The plan's schedule for its micro-batch count, proven to run on this stage graph."""
-    try:
-        return resolve_schedule(plan.schedule, num_stages, plan.microbatches, plan.chunks, deps)
-    except ScheduleError as err:
-        raise PlanError(f"plan.schedule={describe_schedule(plan.schedule)}: {err}") from err
-
-
-def compile(  # noqa: A001 - the public name is fxpipe.compile
-    model: nn.Module,
-    plan: Plan | Mapping[str, Any] | None = None,
-    example_inputs: tuple | Any = (),
-    example_kwargs: Mapping[str, Any] | None = None,
-    loss_fn: Any = None,
-    profile: Profile | None = None,
-    weights: Any = None,
-):
-    """Partition ``model`` per ``plan``, place each stage on its device, return a Pipeline.
-
-    ``pipe(x)`` equals ``model(x)``; ``pipe.step(x, target=t)`` runs one forward+backward
-    on the plan's schedule, returning the loss and accumulating every parameter's
-    ``.grad`` as eager ``loss_fn(model(x), t).backward()`` does. The user's model is not
-    modified. Raises what :func:`partition` raises, and DeviceError when a stage's device
-    is not present on this machine.
-
-    Under torchrun (``WORLD_SIZE`` > 1, or an initialised process group of several ranks)
-    it returns a ``fxpipe.distributed.DistributedPipeline`` holding only this rank's
-    stages; a model built on the meta device is then filled per rank from ``weights``
-    (a state dict, a checkpoint path, an init function, or None for the modules' own
-    ``reset_parameters``). See docs/distributed.md. In one process ``weights`` cannot
-    apply: it raises MaterializeError (load the weights into the model first).
-    """
-    from fxpipe.distributed.layout import requested as distributed_requested
-    from fxpipe.distributed.materialize import check_weights_apply
-
-    check_weights_apply(weights, distributed_requested())
-    plan = Plan.coerce(plan)
-    if distributed_requested():
-        from fxpipe.distributed import DistributedPipeline, startup
-
-        # joined first, so that a rank failing to compile is named on every other rank
-        watchdog = startup.join(plan.timeout)
-        with startup.failures_recorded(watchdog):
-            watchdog.running("compiling")
-            part = partition(model, plan, example_inputs, example_kwargs, profile)
-        return DistributedPipeline(part, model, loss_fn, weights=weights, watchdog=watchdog)
-    part = partition(model, plan, example_inputs, example_kwargs, profile)
-    if _on_meta(model):
-        raise CompileError(
-            f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "
-            "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
-            "or build the model for real"
-        )
-    return build_pipeline(part, model, loss_fn)
-
-
-def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None):
-    """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
-    devices; the stages are placed as copies, so ``model`` is not changed. Raises
-    DeviceError when a stage's device is not present."""
-    from fxpipe.pipeline import Pipeline
-
-    for stage in part.stages:
-        check_available(stage.device, f"plan.devices[{stage.index}]")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return Pipeline(part, model, loss_fn)
-
-
-__all__ = ["CompileError", "build_pipeline", "compile", "partition"]
+__all__ = ["CompileError", "on_meta", "partition", "partition_like"]

@@ -6,7 +6,9 @@ Reads the costs the compiler wrote on the partitioned graph (``node.meta["cost"]
 weight-gradient (W) seconds per micro-batch, send/recv seconds, and memory: state plus one
 micro-batch's activations times the micro-batches the schedule holds in flight there (read
 from the schedule itself, simulated with unit costs). The predicted timeline plays the
-plan's schedule with these times on ``fxpipe.schedule_sim``'s ideal clock.
+plan's schedule with these times on ``fxpipe.schedule_sim``'s ideal clock. The schedule
+comes from the caller (``Partitioned.actions``, or the plan's for ``split="auto"``): this
+module resolves none.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.partition import Edge
 from fxpipe.plan import Plan
 from fxpipe.schedule_sim import simulate
-from fxpipe.schedules import Action, Schedule, resolve_schedule
+from fxpipe.schedules import Action, Schedule
 from fxpipe.timeline import Timeline
 
 
@@ -63,18 +65,12 @@ class StageEstimate:
         return self.state_bytes + self.in_flight * self.activation_bytes
 
 
-def plan_schedule(plan: Plan, num_stages: int, microbatches: int, deps: Sequence[tuple[int, int]] | None = None) -> Schedule:
-    """The plan's schedule (a name, data or a function) for ``num_stages`` stages and
-    ``microbatches``; raises ScheduleError when it cannot run them."""
-    return resolve_schedule(plan.schedule, num_stages, microbatches, plan.chunks, deps)
-
-
-def in_flight(plan: Plan, num_stages: int, microbatches: int | None = None, deps: Sequence[tuple[int, int]] | None = None) -> list[int]:
-    """Per stage, the most micro-batches whose activations the schedule holds at once."""
-    m = microbatches or plan.microbatches
+def in_flight(plan: Plan, actions: Schedule, num_stages: int, deps: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """Per stage, the most micro-batches whose activations ``actions`` (the plan's schedule
+    on the stage graph ``deps``, the chain by default) hold at once; one each under
+    ``plan.checkpoint``."""
     if plan.checkpoint:
         return [1] * num_stages
-    actions = plan_schedule(plan, num_stages, m, deps)
     peaks = simulate(actions, num_stages, 1.0, 2.0, deps=deps).peak_in_flight()
     return [max(peaks.get(s, 1), 1) for s in range(num_stages)]
 
@@ -92,15 +88,16 @@ def estimate_stages(
     edges: Sequence[Edge],
     devices: list[str],
     plan: Plan,
-    microbatches: int | None = None,
+    flight: Sequence[int],
+    m: int,
     calibration: Calibration | None = None,
 ) -> list[StageEstimate]:
-    """Per stage of a partitioned graph (nodes carry ``stage`` and ``cost``), its estimate;
-    ``calibration`` (from ``fxpipe.profile``) rates the nodes it did not time."""
-    m = microbatches or plan.microbatches
+    """Per stage of a partitioned graph (nodes carry ``stage`` and ``cost``), its estimate
+    for ``m`` micro-batches, with ``flight[s]`` micro-batches in flight on stage s
+    (:func:`in_flight`); ``calibration`` (from ``fxpipe.profile``) rates the nodes it did
+    not time."""
     models = stage_models(plan, devices, calibration)
     measured_on = measured_device(graph, plan, calibration)
-    flight = in_flight(plan, len(devices), m, _deps(edges))
     est = [StageEstimate(k, d, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, flight[k]) for k, d in enumerate(devices)]
     for node in graph.nodes:
         if EDGE in node.meta or node.meta.get(STAGE) is None or node.op in ("placeholder", "output"):
@@ -150,25 +147,20 @@ def play(
 
 
 def predicted_timeline(
-    graph: fx.Graph,
+    est: Sequence[StageEstimate],
+    actions: Schedule,
     edges: Sequence[Edge],
     devices: list[str],
     plan: Plan,
-    microbatches: int | None = None,
+    m: int,
     calibration: Calibration | None = None,
 ) -> Timeline:
-    """The predicted Timeline of one training step of a partitioned graph under ``plan``."""
-    m = microbatches or plan.microbatches
-    est = estimate_stages(graph, edges, devices, plan, m, calibration)
+    """The predicted Timeline of one training step of a partitioned graph: ``actions`` (the
+    plan's schedule for ``m`` micro-batches) played with the stages' estimates ``est``."""
     sizes: dict[tuple[int, int], float] = {}
     for edge in edges:
         sizes[(edge.src, edge.dst)] = sizes.get((edge.src, edge.dst), 0.0) + edge.nbytes / m
-    actions = plan_schedule(plan, len(devices), m, _deps(edges))
     models = stage_models(plan, devices, calibration)
     timeline = play(actions, models, [e.forward for e in est], [e.input_grad for e in est], [e.weight_grad for e in est], sizes)
     timeline.activation_bytes = {e.index: int(e.activation_bytes) for e in est}
     return timeline
-
-
-def _deps(edges: Sequence[Edge]) -> list[tuple[int, int]]:
-    return sorted({(e.src, e.dst) for e in edges})

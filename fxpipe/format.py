@@ -58,13 +58,3 @@ def flops(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}FLOP"
     return f"{value:.0f} FLOP"
-
-
-def flop_rate(value: float) -> str:
-    """``5e13`` -> ``"50 TFLOP/s"``."""
-    return flops(value) + "/s"
-
-
-def percent(fraction: float) -> str:
-    """``0.375`` -> ``"37.5%"``."""
-    return f"{fraction * 100:.1f}%"

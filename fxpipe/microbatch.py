@@ -6,7 +6,7 @@ A batch of N samples cut into m micro-batches gets sizes as even as possible
 to every micro-batch. A step's target is cut the same way, and must be batch-sized.
 
 Outputs are put back together by what they are, decided at compile time: an output
-whose dim 0 follows the input batch (:func:`batched_outputs`) is concatenated; any
+whose dim 0 follows the input batch (``fxpipe.batched_outputs``) is concatenated; any
 other tensor output (a 0-d auxiliary loss, per-layer statistics) is merged only as
 ``Plan(output_merge={path: "cat" | "stack" | "sum" | "mean"})`` says. An output's
 *path* names it inside the model's return value: tuple or list indices, dict keys and
@@ -15,7 +15,6 @@ namedtuple fields joined by dots ("1", "aux", "0.aux"); a bare tensor's path is 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,7 +83,7 @@ def split_step(inputs: Any, target: Any, m: int) -> tuple[list[Any], list[Any], 
     """
     n = batch_size(inputs)
     if n is not None:
-        for path, leaf in _leaves_with_paths(target):
+        for path, leaf in leaves_with_paths(target):
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] != n:
                 where = "target" + "".join(_accessor(path))
                 raise MicrobatchError(
@@ -97,7 +96,7 @@ def split_step(inputs: Any, target: Any, m: int) -> tuple[list[Any], list[Any], 
 
 
 # ------------------------------------------------------------------ output paths
-def _leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
+def leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
     """(key path, leaf) for every leaf, in ``pytree.tree_leaves`` order."""
     try:
         return pytree.tree_flatten_with_path(tree)[0]
@@ -157,59 +156,6 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {inner(value)}"
 
 
-# ----------------------------------------------------------- batched outputs
-def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> dict[str, bool]:
-    """Which tensor outputs of ``model(*args, **kwargs)`` are batched: dim 0 follows the batch.
-
-    Runs ``forward`` twice on fake tensors (``FakeTensorMode``; the parameters and buffers
-    are fake copies put in through ``torch.func.functional_call``), with every batch-sized
-    input at the example's batch size N and at 2N: nothing is computed, and the model, its
-    buffers and the random generators are left as they were. An output is batched when its
-    dim 0 is k × the batch for one k ≥ 1 at both sizes (k > 1: rows of batch × sequence
-    flattened). Returns {path: batched} for every tensor output (paths as in the module
-    docstring). When ``forward`` cannot run on fake tensors, warns and returns {}: then
-    every tensor output merged over several micro-batches needs its ``output_merge`` entry.
-    """
-    kwargs = dict(kwargs or {})
-    n = batch_size((args, kwargs))
-    try:
-        first = _fake_outputs(model, args, kwargs, n, n)
-        second = _fake_outputs(model, args, kwargs, n, 2 * n) if n is not None else first
-    except Exception as err:  # noqa: BLE001 - any failure: fall back to explicit output_merge
-        text = str(err).strip().splitlines()
-        warnings.warn(
-            f"fxpipe: {type(model).__name__}.forward did not run on fake tensors ({type(err).__name__}: "
-            f"{text[0] if text else ''}), so which outputs are batched is unknown; merging several "
-            "micro-batches' outputs will ask for Plan(output_merge={path: 'cat' | 'stack' | 'sum' | 'mean'})",
-            stacklevel=2,
-        )
-        return {}
-    batched = {}
-    for path, rows in first.items():
-        again = second.get(path)
-        batched[path] = (
-            n is not None and rows is not None and again is not None
-            and rows > 0 and rows % n == 0 and again == 2 * rows
-        )
-    return batched
-
-
-def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, size: int | None) -> dict[str, int | None]:
-    """dim 0 (None for 0-d) of every tensor output when the batch-sized inputs have ``size`` rows."""
-    from fxpipe.passes.generalise import eager_on_fake
-
-    def shape_of(t: torch.Tensor) -> tuple[int, ...]:
-        return (size, *t.shape[1:]) if t.dim() > 0 and t.shape[0] == n else tuple(t.shape)
-
-    with torch.no_grad():
-        out = eager_on_fake(model, tuple(args), kwargs, getattr(model, "fxpipe_devices", None), shape_of)
-    return {
-        path_of(key_path): (int(leaf.shape[0]) if leaf.dim() > 0 else None)
-        for key_path, leaf in _leaves_with_paths(out)
-        if isinstance(leaf, torch.Tensor)
-    }
-
-
 def structure(values: Any) -> tuple:
     """What the batch dimension of outputs can depend on, without the sizes themselves:
     the pytree structure, each tensor's rank and dtype, and the other values as they are."""
@@ -231,7 +177,7 @@ def unbatched_paths(output: Any, output_inputs: list[frozenset[int]] | None, fla
     """The paths of ``output``'s leaves that depend on no input cut into micro-batches
     (``output_inputs``: per leaf, the flat input positions it reads, from the graph): the
     same in every micro-batch, so returned once."""
-    leaves = _leaves_with_paths(output)
+    leaves = leaves_with_paths(output)
     if output_inputs is None or len(output_inputs) != len(leaves):
         return frozenset()
     n = batch_size(flat_inputs)
@@ -269,7 +215,7 @@ def merge(
     output_merge = output_merge or {}
     if len(outputs) == 1 and not output_merge:
         return outputs[0]
-    flat = [_leaves_with_paths(o) for o in outputs]
+    flat = [leaves_with_paths(o) for o in outputs]
     spec = pytree.tree_structure(outputs[0])
     merged = []
     for column in zip(*flat):
@@ -365,7 +311,7 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
 
 
 def _loss_hint(loss_fn: Any, out: Any, err: BaseException) -> str:
-    tensors = [key_path for key_path, leaf in _leaves_with_paths(out) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    tensors = [key_path for key_path, leaf in leaves_with_paths(out) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     pick = "out" + "".join(_accessor(tensors[0])) if tensors else "out[...]"
     if isinstance(loss_fn, nn.Module):
         name, fix = type(loss_fn).__name__, f"ce = {type(loss_fn).__name__}(); loss_fn=lambda out, t: ce({pick}, t)"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,10 @@ import torch.fx as fx
 from fxpipe import format as fmt
 from fxpipe.contents import crossing_values, stage_contents
 from fxpipe.cost_model import Calibration
-from fxpipe.estimates import StageEstimate, estimate_stages, predicted_timeline
+from fxpipe.estimates import StageEstimate, estimate_stages, in_flight, predicted_timeline
 from fxpipe.passes.partition import Edge, PartitionedGraph
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, PlanScheduleError
+from fxpipe.schedules import Schedule, ScheduleSpec, describe_schedule, forward_only, stage_workers
 from fxpipe.stage import Stage
 from fxpipe.timeline import Timeline
 
@@ -29,8 +32,8 @@ class Partitioned:
     stages: the Stage list (modules reference the model's own submodules: nothing copied);
     graph: the whole partitioned program with explicit send/recv nodes;
     frontend: "fx" or "export"; notes: what happened while compiling;
-    deps: the stage graph, (producer, consumer) pairs; stage_workers: the worker each stage
-    runs on under the plan's schedule (compile-time facts the runtimes read);
+    stage_workers: the worker each stage runs on under the plan's schedule (a compile-time
+    fact the runtimes read; :meth:`actions` keeps every micro-batch count's schedule to it);
     key: the signature of the call the trace was made for (``key_of(args, kwargs)`` gives a
     call's in the same terms); anchors: where each stage after the first begins, to cut
     another signature's trace at the same places; calibration: the per-kind rates
@@ -50,7 +53,6 @@ class Partitioned:
     example_inputs: tuple = ()
     example_kwargs: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    deps: list[tuple[int, int]] = field(default_factory=list)
     stage_workers: list[int] = field(default_factory=list)
     key: Any = None
     key_of: Callable[..., Any] | None = None
@@ -58,6 +60,45 @@ class Partitioned:
     calibration: Calibration | None = None
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
+    _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @cached_property
+    def edge_ends(self) -> list[tuple[int, int]]:
+        """(producer stage, consumer stage) of every edge, by edge id (``Stage.recv_ids`` /
+        ``send_ids`` index them)."""
+        return self.partitioned.edge_ends
+
+    @cached_property
+    def deps(self) -> list[tuple[int, int]]:
+        """The stage graph: the distinct (producer, consumer) pairs of the edges, sorted."""
+        return self.partitioned.deps
+
+    def actions(self, microbatches: int | None = None, train: bool = True) -> Schedule:
+        """Every worker's action list for ``microbatches`` (default the plan's): the plan's
+        schedule, resolved and proven to run on this stage graph once per count, with each
+        stage on the worker it was placed on; forwards only unless ``train``. The one
+        source of the schedule for the runtimes, the estimates and the timeline.
+
+        Raises PlanScheduleError (a ScheduleError) when the schedule cannot serve that count
+        or would put a stage on another worker than ``stage_workers``.
+        """
+        m = microbatches or self.plan.microbatches
+        if (m, train) not in self._schedules:
+            actions = self.plan.actions(self.num_stages, m, self.deps)
+            if stage_workers(actions) != self.stage_workers:
+                raise PlanScheduleError(
+                    f"plan.schedule={describe_schedule(self.plan.schedule)}: the schedule for {m} micro-batches puts "
+                    f"the stages on workers {stage_workers(actions)}, but they were placed for workers "
+                    f"{self.stage_workers}; a schedule must place stages the same way for every micro-batch count"
+                )
+            self._schedules[(m, train)] = actions if train else forward_only(actions)
+        return self._schedules[(m, train)]
+
+    def under(self, schedule: ScheduleSpec, microbatches: int) -> Partitioned:
+        """The same stages under another schedule and micro-batch count (the plan's other
+        fields kept); raises PlanError (PlanScheduleError) for a schedule the plan rejects.
+        Call :meth:`actions` to know whether it runs them where they were placed."""
+        return dataclasses.replace(self, plan=self.plan.replace(schedule=schedule, microbatches=microbatches))
 
     @property
     def num_workers(self) -> int:
@@ -157,7 +198,9 @@ class Partitioned:
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from
         the node costs the compiler wrote. ``microbatches`` defaults to the plan's."""
-        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches, self.calibration)
+        m = microbatches or self.plan.microbatches
+        flight = in_flight(self.plan, self.actions(m), self.num_stages, self.deps)
+        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, flight, m, self.calibration)
 
     def simulate(self, microbatches: int | None = None) -> Timeline:
         """The predicted Timeline of one training step under the plan's schedule.
@@ -166,7 +209,9 @@ class Partitioned:
         ``microbatches`` overrides the plan's count. Returns a Timeline of kind "predicted"
         whose ``activation_bytes`` gives each stage's bytes per micro-batch.
         """
-        return predicted_timeline(self.graph, self.partitioned.edges, self.devices, self.plan, microbatches, self.calibration)
+        m = microbatches or self.plan.microbatches
+        estimates = self.estimates(m)
+        return predicted_timeline(estimates, self.actions(m), self.partitioned.edges, self.devices, self.plan, m, self.calibration)
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""

@@ -7,9 +7,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxpipe.devices import normalize_device
+from fxpipe.devices import default_devices, normalize_device
 from fxpipe.microbatch import MERGE_MODES
-from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, as_schedule, microbatch_count
+from fxpipe.schedules import (
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    ScheduleSpec,
+    as_schedule,
+    check_chunks,
+    describe_schedule,
+    microbatch_count,
+    resolve_schedule,
+)
 
 DEFAULT_MICROBATCHES = 4
 FRONTENDS = ("auto", "fx", "export")
@@ -17,6 +27,12 @@ FRONTENDS = ("auto", "fx", "export")
 
 class PlanError(ValueError):
     """A plan the compiler cannot honour; the message names the field and the fix."""
+
+
+class PlanScheduleError(PlanError, ScheduleError):
+    """The plan's schedule cannot run (as named, with these chunks, for these stages or this
+    micro-batch count): a PlanError naming the plan field, and the ScheduleError
+    ``fxpipe.check_schedule`` documents, so that catching either catches it."""
 
 
 @dataclass(frozen=True)
@@ -39,9 +55,10 @@ class Plan:
     """How to cut and run a model. A dict with the same keys is accepted wherever a Plan is.
 
     devices: device of each stage in pipeline order ("cpu", "cpu:N", "cuda:N", "gpu:N");
-        with ``chunks`` > 1 it may instead list one device per pipeline worker (stage s
-        then runs on devices[s % len(devices)]). Omitted: taken from device_guard tags,
-        or one logical device per stage.
+        with ``chunks`` > 1 it may instead list one device per pipeline worker (a stage
+        then runs on the device of the worker the schedule puts it on: see
+        :meth:`stage_devices`). Omitted: taken from device_guard tags, or one logical
+        device per worker.
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
     schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1" | "zb-v" (with
@@ -112,13 +129,11 @@ class Plan:
             raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
         if not isinstance(self.check_finite, bool):
             raise PlanError(f"plan.check_finite = {self.check_finite!r}: must be True or False")
-        if self.schedule == "zb-v" and self.chunks != 2:
-            raise PlanError(f"plan.schedule = 'zb-v' runs two stages per device in a V: set chunks=2 (got chunks={self.chunks})")
-        if self.chunks > 1 and isinstance(self.schedule, str) and self.schedule not in ("interleaved-1f1b", "zb-v"):
-            raise PlanError(
-                f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (any chunks) or 'zb-v' "
-                f"(chunks=2), got {self.schedule!r}"
-            )
+        if isinstance(self.schedule, str):
+            try:
+                check_chunks(self.schedule, self.chunks)
+            except ScheduleError as err:
+                raise PlanScheduleError(f"plan.schedule = {self.schedule!r} with plan.chunks = {self.chunks}: {err}") from None
         if self.frontend not in FRONTENDS:
             raise PlanError(f"plan.frontend = {self.frontend!r}: choose one of {', '.join(FRONTENDS)}")
         self.device_specs = {normalize_device(k, f"plan.device_specs[{k!r}]"): v for k, v in dict(self.device_specs).items()}
@@ -138,7 +153,7 @@ class Plan:
         A schedule given as lists of actions is copied and fixes ``microbatches``."""
         if isinstance(self.schedule, str):
             if self.schedule not in SCHEDULES:
-                raise PlanError(
+                raise PlanScheduleError(
                     f"plan.schedule = {self.schedule!r}: choose one of {', '.join(SCHEDULES)}, or write your "
                     "own: a list of fxpipe.Action lists (one per device) or a function "
                     "(num_stages, num_microbatches) -> such lists"
@@ -147,12 +162,12 @@ class Plan:
             try:
                 self.schedule = as_schedule(self.schedule, "plan.schedule")
             except ScheduleError as err:
-                raise PlanError(str(err)) from None
+                raise PlanScheduleError(str(err)) from None
             runs = microbatch_count(self.schedule)
             if self.microbatches is None:
                 self.microbatches = runs
             elif self.microbatches != runs:
-                raise PlanError(
+                raise PlanScheduleError(
                     f"plan.microbatches = {self.microbatches!r}, but plan.schedule runs {runs} micro-batches; "
                     "leave microbatches out (the lists fix it), or give a function "
                     "(num_stages, num_microbatches) -> schedule to serve any count"
@@ -178,3 +193,38 @@ class Plan:
     def replace(self, **changes: Any) -> Plan:
         """A copy of this plan with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+    def actions(self, num_stages: int, microbatches: int | None = None, deps: Sequence[tuple[int, int]] | None = None) -> Schedule:
+        """The plan's schedule for ``num_stages`` stages and ``microbatches`` (default the
+        plan's), proven to run on the stage graph ``deps`` ((producer, consumer) pairs; the
+        chain by default): the one place a plan's schedule is resolved
+        (``resolve_schedule``). A partition asks ``Partitioned.actions``, which also keeps
+        every count's stages where they were placed. Raises PlanScheduleError naming
+        plan.schedule and why it cannot run."""
+        try:
+            return resolve_schedule(self.schedule, num_stages, microbatches or self.microbatches, self.chunks, deps)
+        except ScheduleError as err:
+            raise PlanScheduleError(f"plan.schedule={describe_schedule(self.schedule)}: {err}") from err
+
+    def stage_devices(self, workers: Sequence[int], tag_devices: Sequence[str] | None = None, how: str = "the split") -> list[str]:
+        """The device of every stage, given the worker the schedule runs it on (``workers[s]``,
+        ``stage_workers``): ``devices`` lists one per stage, or one per worker (stage s runs
+        on ``devices[workers[s]]``); without ``devices``, the device_guard tags' devices
+        (``tag_devices``), else one default device per worker. ``how``: what made the stages,
+        for the message. Raises PlanError when ``devices`` lists neither as many devices as
+        stages nor as many as workers."""
+        num_stages, num_workers = len(workers), max(workers) + 1
+        if self.devices is None:
+            if tag_devices:
+                return list(tag_devices)
+            per_worker = default_devices(num_workers)
+            return [per_worker[w] for w in workers]
+        if len(self.devices) == num_stages:
+            return list(self.devices)
+        if len(self.devices) == num_workers:
+            return [self.devices[w] for w in workers]
+        raise PlanError(
+            f"plan.devices lists {len(self.devices)} device(s) but {how} gives {num_stages} stage(s) on "
+            f"{num_workers} worker(s) of the schedule {describe_schedule(self.schedule)}; list one device per "
+            f"stage or one per worker, e.g. devices={default_devices(num_workers)}"
+        )

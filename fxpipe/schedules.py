@@ -571,7 +571,7 @@ def stage_workers(actions: Sequence[Sequence[Action]]) -> list[int]:
     return [owner[s] for s in range(len(owner))]
 
 
-def _check_chunks(num_stages: int, chunks: int) -> None:
+def _check_divisible(num_stages: int, chunks: int) -> None:
     _check_positive(num_stages=num_stages, chunks=chunks)
     if num_stages % chunks:
         raise ScheduleError(
@@ -581,6 +581,27 @@ def _check_chunks(num_stages: int, chunks: int) -> None:
 
 
 _ONE_STAGE_PER_WORKER = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+
+
+def check_chunks(name: str, chunks: int) -> None:
+    """The one rule for how many stages a worker holds under the schedule called ``name``:
+    one for "gpipe", "1f1b" and "zb-h1", two for "zb-v" (in a V), any number for
+    "interleaved-1f1b".
+
+    Raises:
+        ScheduleError: naming the schedule, the ``chunks`` it got and what to set instead.
+    """
+    if name in _ONE_STAGE_PER_WORKER and chunks != 1:
+        raise ScheduleError(
+            f"schedule {name!r} runs one stage per worker, got chunks={chunks}; use "
+            "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v' (chunks=2) "
+            "for several stages per worker"
+        )
+    if name == "zb-v" and chunks != 2:
+        raise ScheduleError(
+            f"schedule 'zb-v' runs two stages per worker, got chunks={chunks}; set chunks=2 "
+            "(two stages per device, in a V) and use an even number of stages"
+        )
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> Schedule:
@@ -603,20 +624,10 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
         )
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    check_chunks(name, chunks)
     if name in _ONE_STAGE_PER_WORKER:
-        if chunks != 1:
-            raise ScheduleError(
-                f"schedule {name!r} runs one stage per worker, got chunks={chunks}; use "
-                "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v' (chunks=2) "
-                "for several stages per worker"
-            )
         return _ONE_STAGE_PER_WORKER[name](num_stages, num_microbatches)
-    if name == "zb-v" and chunks != 2:
-        raise ScheduleError(
-            f"schedule 'zb-v' runs two stages per worker, got chunks={chunks}; use chunks=2 "
-            "and an even number of stages"
-        )
-    _check_chunks(num_stages, chunks)
+    _check_divisible(num_stages, chunks)
     if name == "zb-v":
         return zb_v(num_stages // 2, num_microbatches)
     return interleaved_1f1b(num_stages // chunks, num_microbatches, chunks)

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe import format as fmt
+from fxpipe.schedules import OPS
 
 KINDS = ("predicted", "measured")
 # a worker's own work: forward, backward, and the backward split into input and weight parts
-WORK_OPS = ("F", "B", "I", "W")
+WORK_OPS = OPS
 EVENT_OPS = (*WORK_OPS, "send", "recv")
 
 

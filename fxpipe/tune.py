@@ -12,7 +12,6 @@ schedules differ in their bubble and in how many micro-batches they keep in memo
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,17 +22,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.compiler import partition
 from fxpipe.cost_model import spec_for
+from fxpipe.factory import build_pipeline
 from fxpipe.microbatch import batch_size
-from fxpipe.plan import Plan, PlanError
-from fxpipe.schedules import (
-    SCHEDULES,
-    ScheduleError,
-    ScheduleSpec,
-    describe_schedule,
-    resolve_schedule,
-    stage_workers,
-)
+from fxpipe.plan import Plan, PlanError, PlanScheduleError
+from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_schedule
 
 
 @dataclass
@@ -90,8 +84,6 @@ def sweep(
     counts above the batch size or a schedule that cannot run the plan's stages, and what
     ``fxpipe.partition`` raises.
     """
-    from fxpipe.compiler import build_pipeline, partition
-
     plan = Plan.coerce(plan)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -125,7 +117,7 @@ def sweep(
         for m in counts:
             # the split that was partitioned, under another schedule and count (split="auto"
             # would otherwise re-split for each, and the measurement would not be of the prediction)
-            at = dataclasses.replace(part, plan=_with_schedule(plan, spec, m, part))
+            at = _under(part, spec, m)
             estimates = at.estimates()
             memory = max(e.memory for e in estimates)
             fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
@@ -153,36 +145,32 @@ def _runnable_schedules(part: Any, plan: Plan) -> list[ScheduleSpec]:
         if name == plan.schedule:
             continue
         try:
-            actions = resolve_schedule(name, part.num_stages, 1, plan.chunks, part.deps)
+            part.under(name, 1).actions()
         except ScheduleError:
             continue
-        if stage_workers(actions) == part.stage_workers:
-            runnable.append(name)
+        runnable.append(name)
     return runnable
 
 
 def _splits_backward(spec: ScheduleSpec, part: Any, plan: Plan) -> bool:
-    """Whether ``spec`` runs input- and weight-gradient actions (I, W) apart."""
+    """Whether ``spec`` runs input- and weight-gradient actions (I, W) apart (wherever it
+    places the stages: a partition is compiled for it)."""
     try:
-        actions = resolve_schedule(spec, part.num_stages, plan.microbatches, plan.chunks, part.deps)
+        actions = plan.replace(schedule=spec).actions(part.num_stages, deps=part.deps)
     except ScheduleError:
         return False
     return any(a.op in ("I", "W") for todo in actions for a in todo)
 
 
-def _with_schedule(plan: Plan, spec: ScheduleSpec, microbatches: int, part: Any) -> Plan:
-    """``plan`` under another schedule and count; raises PlanError when they cannot run
-    ``part``'s stages where it placed them."""
+def _under(part: Any, spec: ScheduleSpec, microbatches: int) -> Any:
+    """``part`` under another schedule and count; raises PlanScheduleError when they cannot
+    run its stages where it placed them."""
     try:
-        actions = resolve_schedule(spec, part.num_stages, microbatches, plan.chunks, part.deps)
+        at = part.under(spec, microbatches)
+        at.actions()
     except ScheduleError as err:
-        raise PlanError(f"tune: schedule {describe_schedule(spec)} cannot run this partition with {microbatches} micro-batch(es): {err}") from err
-    if stage_workers(actions) != part.stage_workers:
-        raise PlanError(
-            f"tune: schedule {describe_schedule(spec)} puts the stages on workers {stage_workers(actions)}, "
-            f"but the partition placed them for workers {part.stage_workers}; tune schedules with the same placement"
-        )
-    return plan.replace(schedule=spec, microbatches=microbatches)
+        raise PlanScheduleError(f"tune: schedule {describe_schedule(spec)} cannot run this partition with {microbatches} micro-batch(es): {err}") from err
+    return at
 
 
 def _time_step(pipe: Any, args: tuple, kwargs: Mapping[str, Any], target: Any, repeats: int) -> float:

@@ -22,8 +22,8 @@ output template). Writes ``node.meta["cost"]``: a :class:`NodeCost` on every com
 - Ops: the ATen ops the forward, I and W dispatch (each pays a fixed cost), and the
   node's kind ("conv", "matmul", "norm", "elementwise", "view"), which a calibration from
   ``fxpipe.profile`` rates separately.
-A node whose replay fails (an op without a fake kernel) keeps the fallback estimate and
-``NodeCost.exact = False``; measured times from ``fxpipe.profile`` can replace estimates.
+A node whose replay fails (an op without a fake kernel) keeps the fallback estimate;
+measured times from ``fxpipe.profile`` can replace estimates.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class NodeCost:
     act_bytes_moved: activation bytes read plus written by the forward; weight_bytes:
     weight bytes read per call (any batch); param_bytes: trainable parameters held (each
     also has a gradient and optimizer state); buffer_bytes: buffers and frozen tensors held;
-    activation_bytes: new memory the output takes (what a backward may need kept); exact:
-    False when FLOPs are the fallback estimate; kind: one of ``KINDS``; fwd_ops / bwd_ops /
+    activation_bytes: new memory the output takes (what a backward may need kept);
+    kind: one of ``KINDS``; fwd_ops / bwd_ops /
     bwd_input_ops / bwd_weight_ops: ATen ops dispatched (each pays a fixed cost: a leaf
     module such as ``nn.TransformerEncoderLayer`` is one node but ~100 ops).
     """
@@ -72,7 +72,6 @@ class NodeCost:
     param_bytes: int = 0
     buffer_bytes: int = 0
     activation_bytes: int = 0
-    exact: bool = True
     kind: str = "elementwise"
     fwd_ops: int = 1
     bwd_ops: int = 1
@@ -215,7 +214,6 @@ def _cost(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, si
         param_bytes=trainable,
         buffer_bytes=frozen,
         activation_bytes=0 if in_side else template.new_bytes,
-        exact=counts is not None,
         kind=kind,
         fwd_ops=max(fwd_ops, 1),
         bwd_ops=max(bwd_ops, 1) if needs_grad else 0,

@@ -65,6 +65,16 @@ class PartitionedGraph:
     num_stages: int
     edges: list[Edge]
 
+    @property
+    def edge_ends(self) -> list[tuple[int, int]]:
+        """(producer stage, consumer stage) of every edge, by edge id."""
+        return [(e.src, e.dst) for e in self.edges]
+
+    @property
+    def deps(self) -> list[tuple[int, int]]:
+        """The stage graph: the distinct (producer, consumer) pairs, sorted."""
+        return sorted(set(self.edge_ends))
+
     def recv_edges(self, stage: int) -> list[Edge]:
         return [e for e in self.edges if e.dst == stage]
 

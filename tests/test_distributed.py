@@ -36,6 +36,7 @@ from fxpipe.distributed.comm import (
     nccl_plans,
 )
 from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, fake_extras
+from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.placement import skeleton
 from fxpipe.schedules import make_schedule, stage_workers
 
@@ -388,7 +389,10 @@ def test_edge_specs_follow_the_micro_batch_and_keep_non_tensor_values() -> None:
     ids = {id(e): k for k, e in enumerate(part.partitioned.edges)}
     recv = [[ids[id(e)] for e in s.inputs] for s in part.stages]
     send = [[ids[id(e)] for e in s.outputs] for s in part.stages]
-    specs = derive_edge_specs([skeleton(s.module) for s in part.stages], recv, send, part.bind_inputs((x[:3],), {}), train=True, extras=[fake_extras(s) for s in part.stages])
+    specs = derive_edge_specs(
+        [skeleton(s.module) for s in part.stages], recv, send, part.bind_inputs((x[:3],), {}), train=True,
+        extras=[fake_extras(s) for s in part.stages], replay=FakeReplay(device="cpu"),
+    )
     leaves = [leaf for spec in specs.values() for leaf in spec.leaves]
     assert None in leaves and 3 in leaves and 6 in leaves  # None, the dict's number, x.size(1)
     tensors = [leaf for leaf in leaves if isinstance(leaf, LeafSpec)]

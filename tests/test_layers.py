@@ -1,12 +1,17 @@
-"""The layers stay one-way: every module imports on its own, and passes know nothing of fxpipe."""
+"""The layers stay one-way: every module imports on its own, passes know nothing of fxpipe,
+the runtimes import no pass and not each other, the compiler imports no pipeline, drawings
+import no executor, and no module imports itself back through others (no cycles, counting
+the imports made inside functions)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +38,133 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
     return found
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] == "passes":
+        parts = ("fxpipe", *parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    paths = sorted((ROOT / "fxpipe").rglob("*.py")) + sorted((ROOT / "passes").glob("*.py"))
+    return {_module_name(p): p for p in paths}
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports when it runs, at module level or inside a function (an
+    ``if TYPE_CHECKING:`` block, which never runs, left out); ``from pkg import mod`` counts
+    as an import of ``pkg.mod`` when that is a module."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    modules = _sources()
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+    return found
+
+
+@functools.cache
+def _import_graph() -> nx.DiGraph:
+    """fxpipe's modules, an edge from each to every fxpipe module it imports."""
+    modules = _sources()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        graph.add_edges_from((name, target) for target in _all_imports(path) if target in modules and target != name)
+    return graph
+
+
+def _reached(module: str) -> set[str]:
+    """The fxpipe modules that importing ``module`` (and running its functions) may load."""
+    return nx.descendants(_import_graph(), module)
+
+
+def _matching(prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in _import_graph() if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+PASSES = ("fxpipe.passes",)
+COMPILER = ("fxpipe.compiler", "fxpipe.factory")
+PIPELINES = ("fxpipe.local_pipeline", "fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
+LOCAL_RUNTIME = ("fxpipe.local_pipeline", "fxpipe.runtime.local")
+DISTRIBUTED_RUNTIME = ("fxpipe.distributed",)
+
+
+def test_no_import_cycles_even_through_imports_inside_functions() -> None:
+    cycles = [sorted(c) for c in nx.strongly_connected_components(_import_graph()) if len(c) > 1]
+    assert not cycles, f"modules that import each other (directly or through others): {cycles}"
+
+
+@pytest.mark.parametrize("module", _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline")))
+def test_runtimes_import_no_pass_and_not_each_other(module: str) -> None:
+    reached = _reached(module)
+    bad = sorted(m for m in reached if m in _matching(PASSES + COMPILER))
+    assert not bad, f"{module} reaches {bad}: the runtimes get what they need of the compiler handed in (fxpipe.factory)"
+    if module in _matching(DISTRIBUTED_RUNTIME):
+        other = _matching(LOCAL_RUNTIME)
+    elif module in _matching(LOCAL_RUNTIME):
+        other = _matching(DISTRIBUTED_RUNTIME)
+    else:
+        other = _matching(LOCAL_RUNTIME + DISTRIBUTED_RUNTIME)
+    crossing = sorted(reached & set(other))
+    assert not crossing, f"{module} reaches {crossing}: the local and the distributed runtime share only fxpipe.runtime"
+
+
+def test_the_compiler_imports_no_pipeline() -> None:
+    for module in ("fxpipe.compiler", "fxpipe.partitioned", "fxpipe.profile"):
+        bad = sorted(m for m in _reached(module) if m in _matching(PIPELINES))
+        assert not bad, f"{module} reaches {bad}: only fxpipe.factory builds pipelines"
+
+
+@pytest.mark.parametrize("module", _matching(("fxpipe.drawing", "fxpipe.timeline")))
+def test_drawings_and_timelines_import_no_executor_and_plot_lazily(module: str) -> None:
+    bad = sorted(m for m in _reached(module) if m in _matching(PIPELINES))
+    assert not bad, f"{module} reaches {bad}: drawings read the partition and the recorded events only"
+    tree = ast.parse(_sources()[module].read_text())
+    top = [n for stmt in tree.body if not isinstance(stmt, ast.FunctionDef | ast.ClassDef) for n in ast.walk(stmt)]
+    names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
+    eager = sorted(name for name in names if name and name.split(".")[0] in ("matplotlib", "graphviz"))
+    assert not eager, f"{module} imports {eager} at module level: load them only when a picture is asked for"
+
+
+def test_runtime_functions_stay_short_and_dispatch_actions_in_one_place() -> None:
+    runtime = _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline"))
+    long = [
+        f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for name in runtime
+        for node in ast.walk(ast.parse(_sources()[name].read_text()))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert not long, f"runtime functions over 60 lines: {long}"
+    dispatching = [name for name in runtime if 'op == "B"' in _sources()[name].read_text()]
+    assert dispatching == ["fxpipe.runtime.interpret"], f"F/B/I/W dispatched in {dispatching}: use runtime.interpret.dispatch"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    stems: dict[str, list[str]] = {}
+    for name, path in _sources().items():
+        if path.stem not in ("__init__", "__main__"):
+            stems.setdefault(path.stem, []).append(name)
+    shared = {stem: names for stem, names in stems.items() if len(names) > 1}
+    assert not shared, f"modules named alike say less than their role: {shared}"
+
+
+def test_importing_fxpipe_loads_no_distributed_module() -> None:
+    script = "import sys, fxpipe; print(sorted(m for m in sys.modules if m.startswith('fxpipe.distributed')))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/", check=True)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter() -> None:

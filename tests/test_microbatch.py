@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.batched_outputs import batched_outputs
 from fxpipe.microbatch import (
     LossFunctionError,
     MicrobatchError,
-    batched_outputs,
     check_output_merge,
     merge,
     split,

@@ -225,3 +225,36 @@ def test_unbatched_outputs_are_merged_as_the_plan_says_or_named() -> None:
     out, expected = pipe(x), model(x)
     torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out["aux"], expected["aux"], rtol=1e-12, atol=1e-12)  # 10 -> 3,3,2,2, weighted
+
+
+class _Recorder:
+    """An action hook recording what it sees, in order, per worker thread."""
+
+    def __init__(self, fail_at: str | None = None) -> None:
+        self.seen: dict[str, list[tuple[str, str]]] = {}
+        self.fail_at = fail_at
+
+    def before(self, action: fxpipe.Action, runner, step) -> None:
+        assert runner.index == action.stage and step.ctx.train
+        self.seen.setdefault(threading.current_thread().name, []).append(("before", str(action)))
+        if str(action) == self.fail_at:
+            raise RuntimeError("the hook refuses")
+
+    def after(self, action: fxpipe.Action, runner, step) -> None:
+        self.seen.setdefault(threading.current_thread().name, []).append(("after", str(action)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_action_hooks_see_every_action_before_and_after_it_runs_in_schedule_order(schedule: str) -> None:
+    x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    pipe = fxpipe.compile(mlp(), {**PLAN, "schedule": schedule}, example_inputs=(x,), loss_fn=CE)
+    hook = _Recorder()
+    pipe.action_hooks.append(hook)
+    pipe.step(x, target=t)
+    lists = pipe.part.actions(4, train=True)
+    expected = sorted([[(when, str(a)) for a in plan for when in ("before", "after")] for plan in lists])
+    assert sorted(hook.seen.values()) == expected
+    failing = _Recorder(fail_at="F1:2")
+    pipe.action_hooks[:] = [failing]
+    with pytest.raises(fxpipe.PipelineError, match=r"stage 1 on cpu:1 failed in F1:2 \(micro-batch 2\): RuntimeError: the hook refuses"):
+        pipe.step(x, target=t)

@@ -606,9 +606,9 @@ def test_plan_takes_a_callable_and_keeps_the_default_microbatch_count():
         ({"schedule": 3}, "plan.schedule must be a list holding one list of fxpipe.Action per worker, got int"),
         ({"schedule": [[F(0, 0), "B0:0"]]}, r"plan.schedule\[0\]\[1\] is 'B0:0', not an fxpipe.Action"),
         ({"schedule": [[F(0, 0), B(0, 0)]], "microbatches": 2}, "plan.microbatches = 2, but plan.schedule runs 1 micro-batches"),
-        ({"schedule": "zb-v"}, "'zb-v' runs two stages per device in a V: set chunks=2 \\(got chunks=1\\)"),
-        ({"schedule": "zb-v", "chunks": 3}, "set chunks=2 \\(got chunks=3\\)"),
-        ({"schedule": "zb-h1", "chunks": 2}, "needs schedule='interleaved-1f1b' \\(any chunks\\) or 'zb-v'"),
+        ({"schedule": "zb-v"}, "'zb-v' runs two stages per worker, got chunks=1; set chunks=2 \\(two stages per device, in a V\\)"),
+        ({"schedule": "zb-v", "chunks": 3}, "got chunks=3; set chunks=2"),
+        ({"schedule": "zb-h1", "chunks": 2}, "plan.chunks = 2: .*schedule 'interleaved-1f1b' \\(any chunks\\) or 'zb-v'"),
     ],
 )
 def test_plan_rejects_schedule_fields_of_the_wrong_kind_with_the_fix(fields, message):
@@ -663,3 +663,53 @@ def test_docs_custom_schedule_trains_equal_to_eager():
     got = dict(namespace["pipe"].named_parameters())
     for name, param in reference.named_parameters():
         assert torch.allclose(got[name].grad, param.grad, atol=1e-6), name
+
+
+# ------------------------------------------------------------------ one home for the plan's schedule
+def test_a_plan_whose_schedule_cannot_run_raises_what_either_caller_catches():
+    import torch
+    from torch import nn
+
+    for fields in ({"schedule": "zigzag"}, {"schedule": "zb-v"}, {"schedule": [[F(0, 0), "B0:0"]]}):
+        for caught in (ScheduleError, PlanError):
+            with pytest.raises(caught):
+                Plan(**fields)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    incomplete = [[F(0, 0), B(0, 0)]]  # stage 1 never runs
+    for caught in (fxpipe.ScheduleError, fxpipe.PlanError):
+        with pytest.raises(caught, match="(?s)plan.schedule=custom schedule.*no worker runs F1:0"):
+            fxpipe.partition(model, Plan(split=["1"], schedule=incomplete), example_inputs=(torch.randn(2, 4),))
+
+
+def test_a_partition_resolves_each_count_once_and_keeps_its_stages_where_they_were_placed():
+    import torch
+    from torch import nn
+
+    def moving(num_stages: int, num_microbatches: int):  # 1F1B, but its workers swap for 3 micro-batches
+        lists = one_f_one_b(num_stages, num_microbatches)
+        return lists[::-1] if num_microbatches == 3 else lists
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    part = fxpipe.partition(model, Plan(split=["1"], schedule=moving, microbatches=2), example_inputs=(torch.randn(4, 4),))
+    assert part.actions() is part.actions(2, train=True) and part.actions() == one_f_one_b(2, 2)
+    assert part.actions(2, train=False) == forward_only(one_f_one_b(2, 2))
+    assert part.edge_ends == [(0, 1)] and part.deps == [(0, 1)]
+    with pytest.raises(ScheduleError, match=r"puts the stages on workers \[1, 0\], but they were placed for workers \[0, 1\]"):
+        part.actions(3)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "devices", "expected"),
+    [
+        ("1f1b", 1, ["a", "b", "c"], ["a", "b", "c"]),  # one per stage
+        ("interleaved-1f1b", 2, ["a", "b"], ["a", "b", "a", "b"]),  # one per worker: stage s on worker s % 2
+        ("zb-v", 2, ["a", "b"], ["a", "b", "b", "a"]),  # one per worker: a V
+        ("zb-v", 2, ["a", "b", "c", "d"], ["a", "b", "c", "d"]),  # one per stage
+    ],
+)
+def test_plan_stage_devices_is_the_one_placement_rule(schedule, chunks, devices, expected):
+    plan = Plan(devices=[f"cpu:{'abcd'.index(d)}" for d in devices], schedule=schedule, chunks=chunks)
+    workers = stage_workers(plan.actions(len(expected)))
+    assert plan.stage_devices(workers) == [f"cpu:{'abcd'.index(d)}" for d in expected]
+    with pytest.raises(PlanError, match=r"plan.devices lists 3 device\(s\) but the split gives"):
+        plan.replace(devices=["cpu:0", "cpu:1", "cpu:2"]).stage_devices([0, 1, 1, 0])

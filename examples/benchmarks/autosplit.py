@@ -39,7 +39,7 @@ import torchvision
 from torch import nn
 
 import fxpipe
-from fxpipe.compiler import build_pipeline
+from fxpipe.factory import build_pipeline
 from fxpipe.passes.partition import EDGE
 from fxpipe.passes.split_solver import SplitProblem, ordered_problem_inputs, refine, solve
 from fxpipe.passes.targets import resolver

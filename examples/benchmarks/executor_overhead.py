@@ -29,7 +29,7 @@ import torchvision
 from torch import nn
 
 import fxpipe
-from fxpipe.compiler import build_pipeline
+from fxpipe.factory import build_pipeline
 
 
 def mlp_stack(width: int = 1024, depth: int = 8) -> nn.Module:

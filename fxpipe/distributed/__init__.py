@@ -4,14 +4,27 @@
 torchrun world (``WORLD_SIZE`` > 1). ``launch(fn, nprocs)`` starts such a world locally.
 The runtime interprets the same action lists as the local executor, without importing
 it or any compiler pass. See docs/distributed.md.
+
+The launcher loads with the package (``launch`` is also its module's name); the other
+names load with the module that defines them, on first use, so importing one module of the
+package (``fxpipe.distributed.layout``) does not load the runtime.
 """
 
-from fxpipe.distributed.faults import PlanMismatchError, RankFailedError
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from fxpipe.distributed.launch import LaunchError, launch
-from fxpipe.distributed.layout import requested
-from fxpipe.distributed.materialize import MaterializeError
-from fxpipe.distributed.pipeline import DistributedPipeline
-from fxpipe.distributed.specs import SignatureError
+
+_WHERE = {
+    "DistributedPipeline": "rank_pipeline",
+    "MaterializeError": "materialize",
+    "PlanMismatchError": "faults",
+    "RankFailedError": "faults",
+    "SignatureError": "specs",
+    "requested": "layout",
+}
 
 __all__ = [
     "DistributedPipeline",
@@ -23,3 +36,9 @@ __all__ = [
     "launch",
     "requested",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"fxpipe.distributed.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'fxpipe.distributed' has no attribute {name!r}")

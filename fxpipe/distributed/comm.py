@@ -31,9 +31,8 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from fxpipe.distributed.specs import ValueSpec
+from fxpipe.runtime.interpret import ACT, GRAD, inbound, outbound
 from fxpipe.schedules import Action
-
-ACT, GRAD = "act", "grad"
 
 
 class CommPlanError(RuntimeError):
@@ -93,15 +92,10 @@ def messages_for(
     sends: list[list[Message]] = []
     for action in actions:
         s, i = action.stage, action.microbatch
-        if action.op == "F":
-            recvs.append(remote(ACT, recv_edges[s], 0, i))
-            sends.append(remote(ACT, send_edges[s], 1, i))
-        elif action.op == "W":  # weight gradients stay where the weights are
-            recvs.append([])
-            sends.append([])
-        else:
-            recvs.append(remote(GRAD, send_edges[s], 1, i))
-            sends.append(remote(GRAD, recv_edges[s], 0, i))
+        kind, edges = inbound(action, recv_edges[s], send_edges[s])  # an ACT from the producer (end 0)
+        recvs.append(remote(kind, edges, 0 if kind == ACT else 1, i))
+        kind, edges = outbound(action, recv_edges[s], send_edges[s])  # an ACT to the consumer (end 1)
+        sends.append(remote(kind, edges, 1 if kind == ACT else 0, i))
     return ActionMessages(recvs, sends)
 
 

@@ -4,8 +4,9 @@ A rank receives a value by posting ``irecv`` into buffers of the right shape and
 so both ends must agree on them without asking each other. Every rank holds a *skeleton*
 of every stage (the stage module with its parameters and buffers on the ``meta``
 device: no memory) and runs the whole pipeline once on fake tensors for a micro-batch's
-input signature, with the compiler's fake replay (``fxpipe.passes.fake_replay``: a layer
-repeated across stages runs once). That gives, for every edge, the pytree of the value it carries: tensor
+input signature, with the compiler's fake replay (``fxpipe.passes.fake_replay``, handed in
+by the pipeline: a layer repeated across stages runs once). That gives, for every edge,
+the pytree of the value it carries: tensor
 leaves become :class:`LeafSpec` (shape, dtype, whether a gradient flows back) and
 non-tensor leaves (None, Python numbers, strings) are kept as the values themselves, so
 they never travel. The result is cached per signature: another batch size or the short
@@ -23,8 +24,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-
-from fxpipe.passes.fake_replay import FakeReplay
 
 
 class SignatureError(RuntimeError):
@@ -103,6 +102,8 @@ def derive_edge_specs(
     train: bool,
     autocast: Any = None,
     extras: Sequence[Sequence[Any]] | None = None,
+    *,
+    replay: Any,
 ) -> dict[int, ValueSpec]:
     """Run every stage on fake tensors for one micro-batch; return each edge's ValueSpec.
 
@@ -110,21 +111,21 @@ def derive_edge_specs(
     per stage, the edge ids of its inputs after the model's (in argument order) and of
     its output tuple; inputs: the micro-batch's flat model inputs (real or fake);
     autocast: the caller's ``AutocastState`` (edges carry what autocast makes of them);
-    extras: per stage, values for its trailing compiler-added arguments (a seed, a store).
+    extras: per stage, values for its trailing compiler-added arguments (a seed, a store);
+    replay: the fake-tensor runner (the compiler's ``FakeReplay(device="cpu")``, handed in:
+    one replay for every stage, so a layer repeated across stages runs once).
     Raises SignatureError naming the stage when a stage cannot run on fake tensors.
     """
     values: dict[int, Any] = {}
     last_sender = max((s for s, sends in enumerate(send_edges) if sends), default=-1)
     autocast_applied = autocast.applied() if autocast is not None else contextlib.nullcontext()
-    # one replay for every stage: a layer repeated across stages runs on fake tensors once
-    fake_run = FakeReplay(device="cpu")
     with torch.set_grad_enabled(train), autocast_applied:
         for s in range(last_sender + 1):
             args = list(inputs) if s == 0 else []
             args += [values[e] for e in recv_edges[s]]
             args += list(extras[s]) if extras is not None else []
             try:
-                out = fake_run.run(skeletons[s], args)
+                out = replay.run(skeletons[s], args)
             except Exception as err:
                 raise SignatureError(
                     f"stage {s} cannot run on fake tensors for this input signature, so the shapes it "

@@ -6,10 +6,13 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxpipe import format as fmt
-from fxpipe.timeline import WORK_OPS, Event, Timeline
+from fxpipe.schedules import OPS as WORK_OPS  # a worker's own work: the actions' ops
+
+if TYPE_CHECKING:
+    from fxpipe.timeline import Event, Timeline
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> None:

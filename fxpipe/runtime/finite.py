@@ -1,7 +1,7 @@
 """``Plan(check_finite=True)``: the first NaN or Inf a stage hands on stops the step, named.
 
 Off by default, so a run that diverges behaves as eager does (the loss comes back NaN or
-Inf and nothing raises). When on, the :class:`~fxpipe.runtime.stage.StageRunner` checks
+Inf and nothing raises). When on, the :class:`~fxpipe.runtime.runner.StageRunner` checks
 every floating tensor it hands on: the activations it sends, the gradients it sends
 back, the model's output and each micro-batch's loss. Each check is one reduction and one
 host synchronisation: ``torch.aminmax`` (a NaN propagates to both ends, an Inf is one of

@@ -9,7 +9,7 @@ Each fault is ``KIND:action=A[:rank=R][:step=N][:seconds=S]``:
 
 - ``kill``: the process sends itself SIGKILL (distributed runs only: the local executor
   ignores it, since it would end the caller too);
-- ``hang``: the action sleeps ``seconds`` (default 3600) before it starts;
+- ``hang``: the action sleeps ``seconds`` (default 3600) before it runs;
 - ``raise``: the action raises :class:`InjectedFault`;
 - ``nan``: every floating tensor the stage's forward returns becomes NaN (F actions only);
 - ``action``: the action it strikes, as the schedule prints it (``F2:1`` is the forward
@@ -20,9 +20,9 @@ Each fault is ``KIND:action=A[:rank=R][:step=N][:seconds=S]``:
   runs each action once, so ``step=2`` lets one clean step run first).
 
 The variable is read once per process, at its first pipeline call (so a rank forked from
-a server that imported fxpipe reads its own environment). Both executors call
-:meth:`Faults.fire` at the start of every action only when faults are armed: without
-them the hot path pays one check of a local variable. :func:`injected` arms faults for a
+a server that imported fxpipe reads its own environment). The action loop both executors
+run calls :meth:`Faults.fire` once an action's inputs have arrived, just before it runs,
+only when faults are armed: without them the hot path pays one check of an attribute. :func:`injected` arms faults for a
 block of code in this process, for tests that run the local executor.
 
 ``FXPIPE_INJECT_LOG`` names a file that every fault appends one JSON line to (kind,

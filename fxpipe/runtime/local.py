@@ -1,6 +1,7 @@
 """The local executor: one thread per pipeline worker, interpreting the schedule's action lists.
 
-Each worker walks its own list in order around a :class:`StageRunner`: ``F(s, i)`` takes
+Each worker walks its own list with the shared action loop
+(:func:`~fxpipe.runtime.interpret.interpret`) over a mailbox transport: ``F(s, i)`` takes
 micro-batch i's values from the stages feeding s out of the mailbox, runs the stage and
 posts its outputs; ``B(s, i)`` takes the gradients of those outputs, backpropagates through
 the stage and posts the gradients of its inputs. Stages overlap for real: PyTorch releases
@@ -17,6 +18,7 @@ abandoned (Python cannot stop it) and replaced for the next step.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -25,9 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxpipe.runtime import inject
-from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.stage import StageRunner
+from fxpipe.runtime.interpret import ACT, Step, inbound, interpret, outbound
+from fxpipe.runtime.runner import StageRunner
 from fxpipe.runtime.streams import WorkerStream
 from fxpipe.schedules import Action
 from fxpipe.timeline import Event
@@ -122,6 +123,63 @@ def _retire_all(threads: dict[int, _Thread], timeout: float = 0.0) -> None:
     threads.clear()
 
 
+class _MailboxTransport:
+    """One worker's transport: values and gradients through the shared mailbox, on the
+    worker's CUDA stream (created for its first stage's device), with the state the
+    watchdog reads."""
+
+    rank = None
+
+    def __init__(self, worker: int, box: _Mailbox, state: _State) -> None:
+        self.worker = worker
+        self.box = box
+        self.state = state
+        self.stream: WorkerStream | None = None
+
+    def start(self, k: int, action: Action, runner: StageRunner) -> contextlib.AbstractContextManager:
+        if self.box.failed is not None:
+            raise _Aborted
+        if self.stream is None:
+            self.stream = WorkerStream(runner.device)
+        self.state.action, self.state.since = action, time.monotonic()
+        return self.stream.active()
+
+    def receive(self, k: int, action: Action, runner: StageRunner) -> list[Any]:
+        kind, edges = inbound(action, runner.recv, runner.send)
+        values = [self.stream.receive(*self.box.take((kind, e, action.microbatch), self.state)) for e in edges]
+        self.state.since = time.monotonic()
+        return values
+
+    def send(self, k: int, action: Action, runner: StageRunner, results: list[Any]) -> None:
+        kind, edges = outbound(action, runner.recv, runner.send)
+        if not results:
+            return
+        event = self.stream.record()
+        for edge, value in zip(edges, results):
+            self.box.put((kind, edge, action.microbatch), value, event)
+
+    def settle(self, k: int, action: Action, runner: StageRunner) -> None:
+        self.stream.synchronize()
+
+    def failed(self, action: Action, runner: StageRunner, err: Exception) -> BaseException:
+        if isinstance(err, _Aborted):
+            return err
+        return PipelineError(
+            f"stage {action.stage} on {self.label(runner)} failed in {action} (micro-batch {action.microbatch}): "
+            f"{type(err).__name__}: {err}",
+            action.stage,
+            action,
+        )
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def label(self, runner: StageRunner) -> str:
+        return runner.name or str(runner.device)
+
+
+
 class LocalExecutor:
     """Runs action lists over stage runners in one process, on worker threads it keeps.
 
@@ -138,103 +196,37 @@ class LocalExecutor:
         """Retire and join the worker threads (a later run starts new ones)."""
         _retire_all(self._threads, timeout)
 
-    def run(
-        self,
-        actions: Sequence[Sequence[Action]],
-        inputs: Sequence[list],
-        ctx: StepContext,
-        runners: Sequence[StageRunner],
-        edge_ends: Sequence[tuple[int, int]],
-        record: bool = False,
-    ) -> list[Event]:
-        """Run one step: ``actions`` one list per worker, ``inputs`` the model's flat inputs
-        per micro-batch, ``runners`` one per stage (of the call's input signature) and
-        ``edge_ends`` (producer stage, consumer stage) per edge id. The last stage's outputs
-        and losses land in ``ctx``; returns the recorded events (empty unless ``record``).
-        Raises PipelineError naming the stage."""
+    def run(self, actions: Sequence[Sequence[Action]], step: Step) -> list[Event]:
+        """Run one step: ``actions`` one list per worker, over ``step.runners`` (every stage
+        of the call's input signature). The last stage's outputs and losses land in
+        ``step.ctx``; returns the recorded events. Raises PipelineError naming the stage."""
         box = _Mailbox()
         states = [_State() for _ in actions]
-        events: list[Event] = []
-        origin = time.perf_counter()
+        events: list[list[Event]] = [[] for _ in actions]
         finished = threading.Semaphore(0)
-        faults = inject.armed()
-
-        def forward(stream: WorkerStream, runner: StageRunner, i: int, state: _State) -> float:
-            received = [stream.receive(*box.take(("act", e, i), state)) for e in runner.recv]
-            began = time.perf_counter()
-            state.since = time.monotonic()
-            sends = runner.forward(i, inputs[i] if runner.index == 0 else (), received, ctx)
-            if sends:
-                event = stream.record()
-                for edge, value in zip(runner.send, sends):
-                    box.put(("act", edge, i), value, event)
-            return began
-
-        def backward(stream: WorkerStream, runner: StageRunner, i: int, state: _State, op: str) -> float:
-            if op == "W":
-                began = time.perf_counter()
-                runner.backward_weight(i, ctx)
-                return began
-            grads = [stream.receive(*box.take(("grad", e, i), state)) for e in runner.send]
-            began = time.perf_counter()
-            state.since = time.monotonic()
-            run = runner.backward if op == "B" else runner.backward_input
-            input_grads = run(i, grads, ctx)
-            event = stream.record()
-            for edge, value in zip(runner.recv, input_grads):
-                box.put(("grad", edge, i), value, event)
-            return began
 
         def work(w: int, plan: Sequence[Action]) -> None:
-            state = states[w]
-            stream = None
-            action = None
             try:
-                for action in plan:
-                    if box.failed is not None:
-                        return
-                    runner = runners[action.stage]
-                    if stream is None:
-                        stream = WorkerStream(runner.device)
-                    state.action, state.since = action, time.monotonic()
-                    if faults is not None:
-                        faults.fire(action, runner.module)
-                    waited = time.perf_counter()
-                    with stream.active():
-                        if action.op == "F":
-                            start = forward(stream, runner, action.microbatch, state)
-                        else:
-                            start = backward(stream, runner, action.microbatch, state, action.op)
-                    if record:
-                        stream.synchronize()
-                        device = runner.name or str(runner.device)
-                        if start - waited > 1e-4:  # time spent waiting for a value or gradient
-                            events.append(Event(w, action.stage, action.microbatch, "recv", waited - origin, start - origin, device))
-                        events.append(Event(w, action.stage, action.microbatch, action.op, start - origin, time.perf_counter() - origin, device))
-                if stream is not None:
-                    stream.synchronize()
+                events[w] = interpret(plan, step, _MailboxTransport(w, box, states[w]))
             except _Aborted:
                 pass
+            except PipelineError as err:
+                box.fail(err)
             except BaseException as err:  # noqa: BLE001 - reported by the calling thread
-                failure = PipelineError(
-                    f"stage {action.stage} on {runners[action.stage].name or runners[action.stage].device} "
-                    f"failed in {action} (micro-batch {action.microbatch}): {type(err).__name__}: {err}",
-                    action.stage,
-                    action,
-                )
+                failure = PipelineError(f"worker {w} failed after its actions: {type(err).__name__}: {err}")
                 failure.__cause__ = err
                 box.fail(failure)
             finally:
-                state.done = True
+                states[w].done = True
                 finished.release()
 
         for w, plan in enumerate(actions):
             self._thread(w).jobs.put(lambda w=w, plan=plan: work(w, plan))
         workers = {a.stage: w for w, plan in enumerate(actions) for a in plan}
-        self._watch(box, states, finished, workers, runners, edge_ends)
+        self._watch(box, states, finished, workers, step)
         if box.failed is not None:
             raise box.failed
-        return sorted(events, key=lambda e: (e.start, e.worker))
+        return sorted((e for worker in events for e in worker), key=lambda e: (e.start, e.worker))
 
     def _thread(self, w: int) -> _Thread:
         if w not in self._threads:
@@ -247,8 +239,7 @@ class LocalExecutor:
         states: list[_State],
         finished: threading.Semaphore,
         workers: dict[int, int],
-        runners: Sequence[StageRunner],
-        edge_ends: Sequence[tuple[int, int]],
+        step: Step,
     ) -> None:
         """Wait for every worker; on a stuck one, fail the step and stop waiting for it."""
         remaining = len(states)
@@ -259,7 +250,7 @@ class LocalExecutor:
                 continue
             if box.failed is not None:
                 continue
-            stuck = self._stuck(states, workers, runners, edge_ends)
+            stuck = self._stuck(states, workers, step)
             if stuck is not None:
                 worker, error = stuck
                 box.fail(error)
@@ -268,9 +259,7 @@ class LocalExecutor:
                     self._threads.pop(worker).retire()  # a fresh thread serves the next step
         # leave the abandoned threads to finish (or not) on their own
 
-    def _stuck(
-        self, states: list[_State], workers: dict[int, int], runners: Sequence[StageRunner], edge_ends: Sequence[tuple[int, int]]
-    ) -> tuple[int, PipelineError] | None:
+    def _stuck(self, states: list[_State], workers: dict[int, int], step: Step) -> tuple[int, PipelineError] | None:
         """The worker at the end of a chain of waits longer than the timeout, with the error
         naming it; None while every wait and action is within the timeout. ``workers``
         maps each stage to the worker that runs it."""
@@ -283,9 +272,9 @@ class LocalExecutor:
             seen = {w}
             while states[culprit].waiting_for is not None and not states[culprit].done:
                 kind, edge, i = states[culprit].waiting_for
-                src, dst = edge_ends[edge]
-                producer = src if kind == "act" else dst
-                what = "activation" if kind == "act" else "gradient"
+                src, dst = step.edge_ends[edge]
+                producer = src if kind == ACT else dst
+                what = "activation" if kind == ACT else "gradient"
                 chain.append(f"stage {states[culprit].action.stage} waits {now - states[culprit].since:.1f} s for the {what} of micro-batch {i} from stage {producer}")
                 nxt = workers.get(producer)
                 if nxt is None or nxt in seen:
@@ -293,7 +282,7 @@ class LocalExecutor:
                 seen.add(nxt)
                 culprit = nxt
             action = states[culprit].action
-            runner = runners[action.stage]
+            runner = step.runners[action.stage]
             where = runner.name or str(runner.device)
             head = (
                 f"stage {action.stage} on {where} has been running {action} (micro-batch {action.microbatch}) "

@@ -12,32 +12,49 @@ elsewhere.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.compiler import partition_like
 from fxpipe.distributed import comm, startup
-from fxpipe.distributed import timeline as gathered
+from fxpipe.distributed import gathered_timeline as gathered
+from fxpipe.distributed.executor import RankExecutor
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
-from fxpipe.distributed.runtime import RankExecutor
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
-from fxpipe.partitioned import Partitioned
-from fxpipe.passes.targets import lookup
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
-from fxpipe.plan import PlanError
+from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
+from fxpipe.runtime.interpret import Step, after_last_backward
+from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program, make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
 from fxpipe.timeline import Timeline
+
+if TYPE_CHECKING:
+    from fxpipe.partitioned import Partitioned
+
+
+@dataclass
+class RankProgram(Program):
+    """A Program with what this rank derives per micro-batch signature: specs (edge shapes
+    and dtypes, by signature key) and messages (this rank's comm plan, by the same key);
+    skeletons: meta copies of every stage, for the fake runs that derive the specs."""
+
+    specs: dict = field(default_factory=dict)
+    messages: dict = field(default_factory=dict)
+    skeletons: list = field(default_factory=list)
+
+    def train(self, mode: bool) -> None:
+        super().train(mode)
+        for sk in self.skeletons:
+            sk.train(mode)
 
 
 class DistributedPipeline(PipelineBase):
@@ -52,6 +69,7 @@ class DistributedPipeline(PipelineBase):
         self,
         part: Partitioned,
         model: nn.Module,
+        compiler: Compiler,
         loss_fn: Any = None,
         weights: Weights = None,
         watchdog: Watchdog | None = None,
@@ -69,13 +87,15 @@ class DistributedPipeline(PipelineBase):
             startup.check_same_plan(self.watchdog, startup.plan_parts(part, layout), startup.plan_summary(part, layout))
         # every rank compiled the same plan and holds its stages: connect them
         try:
-            self._connect(part, model, loss_fn, modules, aliases)
+            self._connect(part, model, compiler, loss_fn, modules, aliases)
         except RankFailedError:
             raise
         except Exception as err:  # a peer that died during set-up breaks the collectives
             raise self.watchdog.lost(err, [r for r in range(layout.world) if r != layout.rank]) from err
 
-    def _connect(self, part: Partitioned, model: nn.Module, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]) -> None:
+    def _connect(
+        self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]
+    ) -> None:
         """Set-up across ranks: the process group, the mesh, tied weights, replicas' weights."""
         plan, layout = part.plan, self.layout
         num_stages = part.num_stages
@@ -94,13 +114,13 @@ class DistributedPipeline(PipelineBase):
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
         self._modules = [modules[s] for s in self.local_stages]
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
         self._partial_state = True
         self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
-        self._first_program(runners, skeletons=self._skeletons)
+        self._first_program(RankProgram(self.part, runners, skeletons=self._skeletons))
         self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
         self._averager = None
         self._dp_group = None
@@ -155,23 +175,22 @@ class DistributedPipeline(PipelineBase):
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
         """Another input signature's stages: this rank's share the materialized parameters;
         the others are meta skeletons, for shapes. Every rank traces the same call alike."""
-        local = {s: self._programs_first().runners[s].module for s in self.local_stages}
+        local = [self._programs_first().runners[s].module for s in self.local_stages]
 
-        def resolve_for(stage: int) -> Any:
-            roots = list(local.values()) if stage in local else [self._model]
-            return functools.partial(lookup, roots)
+        def roots_for(stage: int) -> list[nn.Module]:
+            return local if stage in self.local_stages else [self._model]
 
         with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
             self.watchdog.running("compiling a new input signature")
-            part = partition_like(self.part, self._model, args, kwargs, resolve_for)
+            part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
-        return Program(part, runners, [(e.src, e.dst) for e in part.partitioned.edges], skeletons=skeletons)
+        return RankProgram(part, runners, skeletons=skeletons)
 
-    def _programs_first(self) -> Program:
+    def _programs_first(self) -> RankProgram:
         return next(iter(self._programs.values()))
 
-    def _edge_specs(self, program: Program, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
+    def _edge_specs(self, program: RankProgram, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
         """Each micro-batch's edge specs, derived once per input signature (shapes and
         dtypes of the inputs, train or not, the stages' modes and the caller's autocast)."""
         modes = tuple(m.training for m in program.skeletons)
@@ -182,24 +201,28 @@ class DistributedPipeline(PipelineBase):
             key = (signature(flat), ctx.train, modes, ctx.autocast)
             if key not in program.specs:
                 extras = [fake_extras(st) for st in stages]
-                program.specs[key] = derive_edge_specs(program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras)
+                program.specs[key] = derive_edge_specs(
+                    program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras, replay=self._compiler.fake_replay()
+                )
             keys.append(key)
         return [program.specs[k] for k in keys], tuple(keys)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
         specs, key = self._edge_specs(program, batch.inputs, ctx)
-        actions = self._actions(len(batch.inputs), ctx.train, program.part)
+        actions = program.part.actions(len(batch.inputs), ctx.train)
         spec = lambda e, i: specs[i][e]  # noqa: E731
         if key not in program.messages:  # key holds ``train`` already
             program.messages[key] = self._plan_messages(program, actions, spec)
-        on_done = self._averager.start if (ctx.train and self._averager is not None) else None
+        mine = actions[self.layout.worker]
+        hooks = list(self.action_hooks)
+        if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete
+            hooks.append(after_last_backward(mine, self._averager.start))
         if ctx.train:
             self._tied.before_step()
         self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
-        self._last_events = self.executor.run(
-            actions[self.layout.worker], program.messages[key], batch.inputs, spec, ctx, program.runners, program.edge_ends, on_done
-        )
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks)
+        self._last_events = self.executor.run(mine, program.messages[key], spec, step)
         self._calls += 1
         gathered.publish(self.watchdog, self._calls, self._last_events, self._step_started, str(self.device))
         if not ctx.train:
@@ -210,14 +233,14 @@ class DistributedPipeline(PipelineBase):
                 average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
 
-    def _plan_messages(self, program: Program, actions: list, spec: Any) -> comm.ActionMessages:
+    def _plan_messages(self, program: RankProgram, actions: list, spec: Any) -> comm.ActionMessages:
         """This rank's messages; on NCCL, every rank's, put in an order proven not to hang."""
         first = self.layout.replica * self.layout.workers
         ranks = range(first, first + self.layout.workers) if self.executor.fused else [self.layout.rank]
         stages = program.part.stages
         recv, send = [st.recv_ids for st in stages], [st.send_ids for st in stages]
         plans = {
-            r: comm.messages_for(actions[r - first], recv, send, program.edge_ends, self.layout.rank_of_stage, r, spec)
+            r: comm.messages_for(actions[r - first], recv, send, program.part.edge_ends, self.layout.rank_of_stage, r, spec)
             for r in ranks
         }
         if not self.executor.fused:
@@ -225,7 +248,7 @@ class DistributedPipeline(PipelineBase):
         try:
             return comm.nccl_plans(plans)[self.layout.rank]
         except comm.CommPlanError as err:
-            raise PlanError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
+            raise PlanScheduleError(f"plan.schedule={describe_schedule(self.plan.schedule)} cannot run on NCCL: {err}") from err
 
     def _holds_last(self) -> bool:
         return self.is_last
@@ -278,13 +301,6 @@ class DistributedPipeline(PipelineBase):
         them. Call it after the last step, before ``destroy_process_group()``; it also
         runs at interpreter exit. The process group stays: it is the script's."""
         self.watchdog.close()
-
-    def train(self, mode: bool = True) -> DistributedPipeline:
-        super().train(mode)
-        for program in self._programs.values():
-            for sk in program.skeletons:
-                sk.train(mode)
-        return self
 
     @property
     def num_workers(self) -> int:

@@ -3,7 +3,8 @@
 The module-like API over the tensors this process holds (``named_parameters``,
 ``state_dict``, ``load_state_dict``, ``zero_grad``, ``train``), the micro-batch split
 (data-parallel replicas take their shard first), the per-micro-batch loss weights, the
-schedule cache and the call/step flow. A subclass says how one call executes
+cache of programs per input signature and the call/step flow (the schedule is the
+program's partition's: ``part.actions(m, train)``). A subclass says how one call executes
 (``_execute``), what the caller gets back (``_output``, ``_step_loss``) and what follows a
 ``load_state_dict`` (``_after_load``).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +25,27 @@ from fxpipe import loss_scale, microbatch
 from fxpipe.placement import skeleton
 from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
-from fxpipe.runtime.stage import StageRunner
-from fxpipe.schedules import Schedule, ScheduleError, forward_only, resolve_schedule, stage_workers
+from fxpipe.runtime.interpret import ActionHook
+from fxpipe.runtime.runner import StageRunner
 from fxpipe.views import PipelineViews
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """The compiler's work a pipeline asks for while it runs, handed in by ``fxpipe.factory``
+    so that no pipeline or executor imports the compiler or a pass.
+
+    retrace(first, model, args, kwargs, roots_for): the Partitioned of another input
+    signature, cut like ``first`` (``fxpipe.compiler.partition_like``; roots_for(s): the
+    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs):
+    which tensor outputs follow the batch, asked on fake tensors
+    (``fxpipe.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
+    (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
+    """
+
+    retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
+    batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
+    fake_replay: Callable[[], Any]
 
 
 @dataclass
@@ -34,17 +53,17 @@ class Program:
     """One input signature's compiled stages, as this process runs them.
 
     part: the Partitioned of that signature's trace (its stages share the parameters of
-    the first); runners: this process's stages by index; edge_ends: (producer, consumer)
-    stage per edge id; specs / messages: what the distributed runtime derives per
-    micro-batch signature; skeletons: meta copies of every stage (distributed fake runs).
+    the first; it holds the schedule, ``part.actions(m, train)``, and the edge ends);
+    runners: this process's stages by index.
     """
 
     part: Any
     runners: dict[int, StageRunner]
-    edge_ends: list[tuple[int, int]]
-    specs: dict = field(default_factory=dict)
-    messages: dict = field(default_factory=dict)
-    skeletons: list = field(default_factory=list)
+
+    def train(self, mode: bool) -> None:
+        """Set the stage modules' train/eval mode (a program made for a mode runs in it)."""
+        for runner in self.runners.values():
+            runner.module.train(mode)
 
 
 @dataclass
@@ -166,8 +185,9 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, model: nn.Module) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler) -> None:
         self.part = part
+        self._compiler = compiler
         self.plan = part.plan
         self.loss_fn = loss_fn
         self.frontend = part.frontend
@@ -176,35 +196,17 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._batched: dict[tuple, dict[str, bool]] = {}
-        self._schedules: dict[tuple, Schedule] = {}
         self._programs: dict[Any, Program] = {}
         self._last_events: list = []
+        # called around every action this process runs (see fxpipe.runtime.interpret.ActionHook)
+        self.action_hooks: list[ActionHook] = []
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
-    def _actions(self, m: int, train: bool, part: Any = None) -> Schedule:
-        """Every worker's action list for ``m`` micro-batches (forwards only for inference),
-        proven to run on the stage graph of ``part`` (a signature's; default the first).
-        Raises ScheduleError when the plan's schedule cannot serve ``m`` or would move a
-        stage to another worker than it was placed on."""
-        part = part or self.part
-        key = (m, train, tuple(part.deps))
-        if key not in self._schedules:
-            actions = resolve_schedule(self.plan.schedule, part.num_stages, m, self.plan.chunks, part.deps)
-            if stage_workers(actions) != part.stage_workers:
-                raise ScheduleError(
-                    f"the schedule for {m} micro-batches puts the stages on workers {stage_workers(actions)}, "
-                    f"but they were placed for workers {part.stage_workers}; a schedule must place stages "
-                    "the same way for every micro-batch count"
-                )
-            self._schedules[key] = actions if train else forward_only(actions)
-        return self._schedules[key]
-
-    def _first_program(self, runners: dict[int, StageRunner], **extra: Any) -> None:
-        """Register the compile-time partition as the program of its signature."""
+    def _first_program(self, program: Program) -> None:
+        """Register the compile-time partition's program as the program of its signature."""
         key = (self.part.key.batch_free(), self.training) if self.part.key is not None else None
-        edge_ends = [(e.src, e.dst) for e in self.part.partitioned.edges]
-        self._programs[key] = Program(self.part, runners, edge_ends, **extra)
+        self._programs[key] = program
 
     def _program(self, args: tuple, kwargs: dict) -> Program:
         """The compiled stages for this call's input signature and train/eval mode: cached,
@@ -220,10 +222,7 @@ class PipelineBase(PipelineViews):
                 program = self._compile_program(args, kwargs)
             except Exception as err:
                 raise _with_signature_context(err, self.part.key, call_key) from err
-            for runner in program.runners.values():  # a program made for a mode runs in that mode
-                runner.module.train(self.training)
-            for sk in program.skeletons:
-                sk.train(self.training)
+            program.train(self.training)  # a program made for a mode runs in that mode
             self._programs[key] = program
         return self._programs[key]
 
@@ -342,7 +341,7 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
-            self._batched[key] = microbatch.batched_outputs(self._model, args, kwargs)
+            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
@@ -445,6 +444,5 @@ class PipelineBase(PipelineViews):
         for module in self._modules:
             module.train(mode)
         for program in self._programs.values():  # later signatures' stage modules share submodules
-            for runner in program.runners.values():
-                runner.module.train(mode)
+            program.train(mode)
         return self

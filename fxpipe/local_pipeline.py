@@ -4,27 +4,28 @@ Stage modules are placed as copies (see :mod:`fxpipe.placement`); a
 :class:`~fxpipe.runtime.local.LocalExecutor` runs them on the plan's schedule, one thread
 per pipeline worker. A call with another input signature (another sequence length under
 torch.export, another None pattern) is traced and cut again once, at the same stage
-boundaries, its stages sharing the placed parameters.
+boundaries, its stages sharing the placed parameters (the retrace is the compiler's,
+handed in by ``fxpipe.factory``: this module imports neither the compiler nor a pass).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fxpipe.compiler import partition_like
 from fxpipe.devices import torch_device
-from fxpipe.partitioned import Partitioned
-from fxpipe.passes.targets import lookup
 from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.pipeline import Batch, PipelineBase, Program, make_runner
+from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program, make_runner
 from fxpipe.schedules import describe_schedule
+
+if TYPE_CHECKING:
+    from fxpipe.partitioned import Partitioned
 
 
 class Pipeline(PipelineBase):
@@ -34,37 +35,37 @@ class Pipeline(PipelineBase):
     fx.Graph with send/recv nodes), plan, frontend.
     """
 
-    def __init__(self, part: Partitioned, model: nn.Module, loss_fn: Any = None) -> None:
+    def __init__(self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any = None) -> None:
         self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model)
         self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
         # from here on the partition describes the placed stages: nothing in the pipeline
         # refers to the user's modules, which can be freed
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
         self._executor = LocalExecutor(self.plan.timeout)
-        self._first_program(self._runners(self.stages))
+        self._first_program(self._program_of(self.part))
 
     def _runners(self, stages: list) -> dict[int, Any]:
         return {s.index: make_runner(s, s.module, torch_device(s.device), len(stages), self.plan) for s in stages}
 
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
-        part = partition_like(self.part, self._model, args, kwargs, self._resolve_for)
-        edge_ends = [(e.src, e.dst) for e in part.partitioned.edges]
-        return Program(part, self._runners(part.stages), edge_ends)
+        return self._program_of(self._compiler.retrace(self.part, self._model, args, kwargs, self._roots_for))
 
-    def _resolve_for(self, stage: int) -> Any:
-        """Targets of stage ``stage`` of a later signature: the placed copies on its device."""
+    def _program_of(self, part: Partitioned) -> Program:
+        return Program(part, self._runners(part.stages))
+
+    def _roots_for(self, stage: int) -> list[nn.Module]:
+        """Where stage ``stage`` of a later signature finds its targets: the placed copies on its device."""
         device = self.stages[stage].device
-        held = [s.module for s in self.stages if s.device == device]
-        return functools.partial(lookup, held)
+        return [s.module for s in self.stages if s.device == device]
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
         self._placement.sync_replicas()
-        actions = self._actions(len(batch.inputs), ctx.train, program.part)
-        runners = [program.runners[s] for s in range(program.part.num_stages)]
-        self._last_events = self._executor.run(actions, batch.inputs, ctx, runners, program.edge_ends, record=True)
+        actions = program.part.actions(len(batch.inputs), ctx.train)
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, self.action_hooks)
+        self._last_events = self._executor.run(actions, step)
         if ctx.train:
             self._placement.reduce_replica_grads()
 

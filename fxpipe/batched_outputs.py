@@ -1,0 +1,70 @@
+"""Which outputs of a model follow the batch, asked of the eager model on fake tensors.
+
+The pipelines merge micro-batches' outputs by what they are (``fxpipe.microbatch.merge``):
+an output whose dim 0 follows the input batch is concatenated, any other is merged as
+``Plan.output_merge`` says. This module answers the question once per input structure,
+with the compiler's fake eager run (``fxpipe.passes.generalise.eager_on_fake``); the
+pipelines get it handed in by ``fxpipe.factory``, so no runtime imports a pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.microbatch import batch_size, leaves_with_paths, path_of
+from fxpipe.passes.generalise import eager_on_fake
+
+
+def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> dict[str, bool]:
+    """Which tensor outputs of ``model(*args, **kwargs)`` are batched: dim 0 follows the batch.
+
+    Runs ``forward`` twice on fake tensors (``FakeTensorMode``; the parameters and buffers
+    are fake copies put in through ``torch.func.functional_call``), with every batch-sized
+    input at the example's batch size N and at 2N: nothing is computed, and the model, its
+    buffers and the random generators are left as they were. An output is batched when its
+    dim 0 is k × the batch for one k ≥ 1 at both sizes (k > 1: rows of batch × sequence
+    flattened). Returns {path: batched} for every tensor output (paths as ``fxpipe.microbatch``
+    names them). When ``forward`` cannot run on fake tensors, warns and returns {}: then
+    every tensor output merged over several micro-batches needs its ``output_merge`` entry.
+    """
+    kwargs = dict(kwargs or {})
+    n = batch_size((args, kwargs))
+    try:
+        first = _fake_outputs(model, args, kwargs, n, n)
+        second = _fake_outputs(model, args, kwargs, n, 2 * n) if n is not None else first
+    except Exception as err:  # noqa: BLE001 - any failure: fall back to explicit output_merge
+        text = str(err).strip().splitlines()
+        warnings.warn(
+            f"fxpipe: {type(model).__name__}.forward did not run on fake tensors ({type(err).__name__}: "
+            f"{text[0] if text else ''}), so which outputs are batched is unknown; merging several "
+            "micro-batches' outputs will ask for Plan(output_merge={path: 'cat' | 'stack' | 'sum' | 'mean'})",
+            stacklevel=2,
+        )
+        return {}
+    batched = {}
+    for path, rows in first.items():
+        again = second.get(path)
+        batched[path] = (
+            n is not None and rows is not None and again is not None
+            and rows > 0 and rows % n == 0 and again == 2 * rows
+        )
+    return batched
+
+
+def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, size: int | None) -> dict[str, int | None]:
+    """dim 0 (None for 0-d) of every tensor output when the batch-sized inputs have ``size`` rows."""
+    def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+        return (size, *t.shape[1:]) if t.dim() > 0 and t.shape[0] == n else tuple(t.shape)
+
+    with torch.no_grad():
+        out = eager_on_fake(model, tuple(args), kwargs, getattr(model, "fxpipe_devices", None), shape_of)
+    return {
+        path_of(key_path): (int(leaf.shape[0]) if leaf.dim() > 0 else None)
+        for key_path, leaf in leaves_with_paths(out)
+        if isinstance(leaf, torch.Tensor)
+    }

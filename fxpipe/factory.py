@@ -1,0 +1,108 @@
+"""``fxpipe.compile`` and ``build_pipeline``: a partition made into a pipeline that runs.
+
+The one module that picks the local :class:`~fxpipe.local_pipeline.Pipeline` or, when this
+process is one of several (torchrun), the ``DistributedPipeline``, and the one that hands
+the pipelines what they ask of the compiler while they run (:data:`COMPILER`: the retrace
+of a new input signature and the questions asked on fake tensors), so that no pipeline
+imports the compiler or a pass and the compiler imports no pipeline.
+
+``fxpipe.distributed`` loads with the first ``compile`` (which asks whether this process is
+one of several), and its runtime only for a distributed one: ``import fxpipe`` loads none
+of it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from fxpipe.batched_outputs import batched_outputs
+from fxpipe.compiler import CompileError, on_meta, partition, partition_like
+from fxpipe.devices import check_available
+from fxpipe.local_pipeline import Pipeline
+from fxpipe.partitioned import Partitioned
+from fxpipe.passes.fake_replay import FakeReplay
+from fxpipe.plan import Plan
+from fxpipe.profile import Profile
+from fxpipe.runtime.pipeline_base import Compiler
+
+COMPILER = Compiler(
+    retrace=partition_like,
+    batched_outputs=batched_outputs,
+    fake_replay=lambda: FakeReplay(device="cpu"),
+)
+
+
+def compile(  # noqa: A001 - the public name is fxpipe.compile
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any] | None = None,
+    example_inputs: tuple | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Any = None,
+    profile: Profile | None = None,
+    weights: Any = None,
+) -> Any:
+    """Partition ``model`` per ``plan``, place each stage on its device, return a Pipeline.
+
+    ``pipe(x)`` equals ``model(x)``; ``pipe.step(x, target=t)`` runs one forward+backward
+    on the plan's schedule, returning the loss and accumulating every parameter's
+    ``.grad`` as eager ``loss_fn(model(x), t).backward()`` does. The user's model is not
+    modified. Raises what ``fxpipe.partition`` raises, and DeviceError when a stage's device
+    is not present on this machine.
+
+    Under torchrun (``WORLD_SIZE`` > 1, or an initialised process group of several ranks)
+    it returns a ``fxpipe.distributed.DistributedPipeline`` holding only this rank's
+    stages; a model built on the meta device is then filled per rank from ``weights``
+    (a state dict, a checkpoint path, an init function, or None for the modules' own
+    ``reset_parameters``). See docs/distributed.md. In one process ``weights`` cannot
+    apply: it raises MaterializeError (load the weights into the model first).
+    """
+    # fxpipe.distributed loads on the first compile, not with ``import fxpipe``
+    from fxpipe.distributed.layout import requested
+    from fxpipe.distributed.materialize import check_weights_apply
+
+    distributed = requested()
+    check_weights_apply(weights, distributed)
+    plan = Plan.coerce(plan)
+    if distributed:
+        return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
+    part = partition(model, plan, example_inputs, example_kwargs, profile)
+    if on_meta(model):
+        raise CompileError(
+            f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "
+            "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
+            "or build the model for real"
+        )
+    return build_pipeline(part, model, loss_fn)
+
+
+def _compile_distributed(
+    model: nn.Module, plan: Plan, example_inputs: Any, example_kwargs: Any, loss_fn: Any, profile: Any, weights: Any
+) -> Any:
+    """This rank's DistributedPipeline; the store is joined first, so that a rank failing
+    to compile is named on every other rank."""
+    from fxpipe.distributed import startup
+    from fxpipe.distributed.rank_pipeline import DistributedPipeline
+
+    watchdog = startup.join(plan.timeout)
+    with startup.failures_recorded(watchdog):
+        watchdog.running("compiling")
+        part = partition(model, plan, example_inputs, example_kwargs, profile)
+    return DistributedPipeline(part, model, COMPILER, loss_fn, weights=weights, watchdog=watchdog)
+
+
+def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None) -> Pipeline:
+    """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
+    devices; the stages are placed as copies, so ``model`` is not changed. Raises
+    DeviceError when a stage's device is not present."""
+    for stage in part.stages:
+        check_available(stage.device, f"plan.devices[{stage.index}]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return Pipeline(part, model, COMPILER, loss_fn)
+
+
+__all__ = ["COMPILER", "build_pipeline", "compile"]
