@@ -38,7 +38,7 @@ examples:
 
 
 # fxpipe.schedules.SCHEDULES, spelled out: importing fxpipe would cost --help a second (a test keeps them equal)
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min")
 
 
 class CommandError(Exception):
@@ -140,7 +140,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tags (device_guard blocks), auto (cost model) or comma-separated module paths where stages "
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
     plan.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="1f1b",
-                      help="pipeline schedule (zb-v runs with --chunks 2); default 1f1b")
+                      help="pipeline schedule (zb-v, v-half and v-min run with --chunks 2); default 1f1b")
     plan.add_argument("--microbatches", type=_positive, default=4, metavar="M",
                       help="micro-batches per step (the batch is cut along dim 0); default 4")
     plan.add_argument("--chunks", type=_positive, default=1, metavar="V",

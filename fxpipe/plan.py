@@ -9,7 +9,14 @@ from typing import Any
 
 from fxpipe.devices import normalize_device
 from fxpipe.microbatch import MERGE_MODES
-from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, as_schedule, microbatch_count
+from fxpipe.schedules import (
+    SCHEDULES,
+    V_SCHEDULES,
+    ScheduleError,
+    ScheduleSpec,
+    as_schedule,
+    microbatch_count,
+)
 
 DEFAULT_MICROBATCHES = 4
 FRONTENDS = ("auto", "fx", "export")
@@ -44,14 +51,14 @@ class Plan:
         or one logical device per stage.
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
-    schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1" | "zb-v" (with
-        chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
+    schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1", or one of the V
+        schedules "zb-v" | "v-half" | "v-min" (with chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
         function ``(num_stages, num_microbatches)`` returning such lists. Your own is
         checked (complete, deadlock-free) before anything runs; its lists place the stages
         (worker ``w`` runs the stages in list ``w``). See docs/schedules.md.
     microbatches: the batch (dim 0) is cut into this many micro-batches; default 4, or,
         when ``schedule`` is given as lists of actions, the count those lists run.
-    chunks: stages per device: any for "interleaved-1f1b", 2 for "zb-v".
+    chunks: stages per device: any for "interleaved-1f1b", 2 for the V schedules.
     checkpoint: recompute each stage's activations in backward instead of keeping them.
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
@@ -112,11 +119,11 @@ class Plan:
             raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
         if not isinstance(self.check_finite, bool):
             raise PlanError(f"plan.check_finite = {self.check_finite!r}: must be True or False")
-        if self.schedule == "zb-v" and self.chunks != 2:
-            raise PlanError(f"plan.schedule = 'zb-v' runs two stages per device in a V: set chunks=2 (got chunks={self.chunks})")
-        if self.chunks > 1 and isinstance(self.schedule, str) and self.schedule not in ("interleaved-1f1b", "zb-v"):
+        if self.schedule in V_SCHEDULES and self.chunks != 2:
+            raise PlanError(f"plan.schedule = {self.schedule!r} runs two stages per device in a V: set chunks=2 (got chunks={self.chunks})")
+        if self.chunks > 1 and isinstance(self.schedule, str) and self.schedule not in ("interleaved-1f1b", *V_SCHEDULES):
             raise PlanError(
-                f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (any chunks) or 'zb-v' "
+                f"plan.chunks = {self.chunks} needs schedule='interleaved-1f1b' (any chunks) or 'zb-v', 'v-half', 'v-min' "
                 f"(chunks=2), got {self.schedule!r}"
             )
         if self.frontend not in FRONTENDS:
