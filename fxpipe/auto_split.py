@@ -85,21 +85,35 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         dtype=torch.float64,
     )  # stages x nodes x (forward, input gradient, weight gradient)
     flight = in_flight(plan, num_stages)
-    problem = SplitProblem(
-        item_time=phases.sum(2),
-        cut_bytes=cuts,
-        recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
-        send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
-        fixed_time=[2 * mdl.spec.latency * (1 + (k > 0) + (k < num_stages - 1)) for k, mdl in enumerate(models)],
-        state_bytes=_state_per_item(graph, order),
-        activation_bytes=[cost_of(n).activation_bytes / m for n in order],
-        in_flight=flight,
-        memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
-    )
+
+    def problem_for(recompute: bool) -> SplitProblem:
+        """The split problem when every stage keeps its activations, or recomputes (each
+        then holds one micro-batch's at a time, and runs its forward twice)."""
+        return SplitProblem(
+            item_time=phases.sum(2) + (phases[:, :, 0] if recompute else 0.0),
+            cut_bytes=cuts,
+            recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
+            send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
+            fixed_time=[2 * mdl.spec.latency * (1 + (k > 0) + (k < num_stages - 1)) for k, mdl in enumerate(models)],
+            state_bytes=_state_per_item(graph, order),
+            activation_bytes=[cost_of(n).activation_bytes / m for n in order],
+            in_flight=[1] * num_stages if recompute else flight,
+            memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
+        )
+
+    problem = problem_for(False)
     try:
         split = solve(problem)
     except SplitInfeasible as err:
-        raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
+        if plan.checkpoint != "auto":
+            raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
+        # checkpoint="auto": cut for recomputing stages; the memory plan then keeps the
+        # activations of every stage that fits with them
+        problem = problem_for(True)
+        try:
+            split = solve(problem)
+        except SplitInfeasible as again:
+            raise PlanError(_infeasible_message(again, devices, problem, order, [1] * num_stages, m)) from again
     step_time = _simulated_step(actions, m, models, phases, cuts)
     minmax_step = step_time(split.boundaries)
     bounds = refine(problem, split.boundaries, step_time)
@@ -192,7 +206,7 @@ def _infeasible_message(err: SplitInfeasible, devices: list[str], problem: Split
             f"has {fmt.nbytes(err.limits[k])}{over}"
         )
     lines.append(
-        "give the devices more memory in plan.device_specs, add devices, use checkpoint=True, "
+        "give the devices more memory in plan.device_specs, add devices, use checkpoint=True or 'auto', "
         f"or more micro-batches (now {m}) to shrink activations"
     )
     return "\n".join(lines)

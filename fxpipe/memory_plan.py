@@ -19,6 +19,7 @@ saying which device is short, by how much, and what would fit.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,10 +136,10 @@ class _Search:
         return {d: n - self.limits[d] for d, n in candidate.needed.items() if n > self.limits[d]}
 
 
-def plan_memory(part: Any) -> None:
-    """Resolve ``checkpoint="auto"`` / ``offload="auto"`` on a Partitioned: set each stage's
-    ``recompute`` and ``offload`` to the fastest predicted choice with which every device
-    fits, and say why in the stage's ``reason``. Raises PlanError (see the module doc)."""
+def choose(part: Any) -> tuple[list[Choice], float]:
+    """For a Partitioned whose plan says ``checkpoint="auto"`` or ``offload="auto"``, each
+    stage's (recompute, offload): the fastest predicted choice with which every device
+    fits, and that predicted step. Raises PlanError (see the module doc)."""
     search = _Search(part)
     best = search.evaluate([options[0] for options in search.options])
     while search.over(best):
@@ -146,15 +147,29 @@ def plan_memory(part: Any) -> None:
         if step is None:
             raise PlanError(_cannot_fit(search, best))
         best = step
-    for stage, (recompute, offload) in zip(part.stages, best.picks):
+    return best.picks, best.step
+
+
+def plan_memory(part: Any) -> None:
+    """Resolve ``checkpoint="auto"`` / ``offload="auto"`` on a Partitioned in place: each
+    stage's ``recompute`` and ``offload`` set by :func:`choose`, and said in its
+    ``reason`` and in the notes."""
+    picks, step = choose(part)
+    for stage, (recompute, offload) in zip(part.stages, picks):
         stage.recompute, stage.offload = recompute, offload
         stage.reason += f"; keeps {describe_choice(recompute, offload)} (memory plan)"
-    key = (tuple(c[0] for c in best.picks), tuple(c[1] for c in best.picks))
-    part.profiles[key] = (microbatch_inputs(part, search.m)[1], search.choices(best.picks).profile)
     part.notes.append(
-        "memory plan: " + ", ".join(f"stage {s} {describe_choice(*c)}" for s, c in enumerate(best.picks))
-        + f"; predicted step {fmt.seconds(best.step)}; every device fits"
+        "memory plan: " + ", ".join(f"stage {s} {describe_choice(*c)}" for s, c in enumerate(picks))
+        + f"; predicted step {fmt.seconds(step)}; every device fits"
     )
+
+
+def with_memory_plan(part: Any) -> Any:
+    """A copy of ``part`` (its stages copied) resolved as :func:`plan_memory` does, for
+    another schedule or micro-batch count of the same partition."""
+    picks, _ = choose(part)
+    stages = [dataclasses.replace(st, recompute=r, offload=o) for st, (r, o) in zip(part.stages, picks)]
+    return dataclasses.replace(part, stages=stages)
 
 
 def _best_change(search: _Search, current: _Candidate) -> _Candidate | None:

@@ -333,3 +333,23 @@ def test_only_the_first_step_of_a_signature_is_measured_and_later_steps_still_ma
     assert reports[0] == reports[1]  # the second step was not measured: the first's report stands
     pipe.step(x[:8], target=t[:8])  # another micro-batch size, the same count and signature: not measured
     assert pipe.memory() == reports[0]
+
+
+def test_split_auto_and_tune_search_over_recompute_under_checkpoint_auto() -> None:
+    """A memory budget no split fits while every stage keeps its activations: split="auto"
+    cuts for recompute, the memory plan keeps what fits; tune chooses recompute per point."""
+    from fxpipe.tune import sweep
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(8)], nn.Linear(128, 4))
+    x = torch.randn(256, 128)
+    spec = fxpipe.DeviceSpec(flops=1e10, memory=1.8e6, bandwidth=1e9)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto", microbatches=2, device_specs={"cpu": spec})
+    with pytest.raises(fxpipe.PlanError, match="no split of the model fits"):
+        fxpipe.partition(model, plan, example_inputs=(x,))
+    part = fxpipe.partition(model, plan.replace(checkpoint="auto"), example_inputs=(x,))
+    assert any(s.recompute for s in part.stages) and "every device fits" in part.notes[-1]
+    assert all(e.memory <= spec.memory for e in part.estimates())
+    points = sweep(model, plan.replace(checkpoint="auto"), (x,), candidates=[2, 64], measure=0, schedules=["1f1b"])
+    chosen = {p.microbatches: p.recompute for p in points if p.fits}
+    assert any(chosen[2]) and not any(chosen[64]), chosen  # small micro-batches need no recompute
