@@ -98,8 +98,6 @@ class _Search:
         self.limits = {d: spec_for(self.plan, d).memory for d in set(self.devices)}
         self.state = [e.state_bytes for e in part.estimates(self.m, StageChoices([False] * n, [False] * n))]
         self.actions = plan_schedule(self.plan, n, self.m, part.deps)
-        workers = stage_workers(self.actions)
-        self.worker_device = {workers[s]: d for s, d in enumerate(self.devices)}
 
     def _options(self) -> list[tuple[Choice, ...]]:
         plan, stages = self.plan, self.part.stages
@@ -122,18 +120,31 @@ class _Search:
         return _Candidate(picks, self.needed(choices.profile), self.part.simulate(self.m, choices).step_time)
 
     def needed(self, profile: Sequence[MicrobatchMemory]) -> dict[str, float]:
-        """Bytes each device needs: its stages' state and its workers' activation peaks."""
-        worker_peaks = activation_peaks(self.actions, profile)[1]
-        needed = dict.fromkeys(self.limits, 0.0)
-        for s, device in enumerate(self.devices):
-            needed[device] += self.state[s]
-        for w, peak in enumerate(worker_peaks):
-            needed[self.worker_device[w]] += peak
-        return needed
+        return _needs(self.devices, self.state, self.actions, profile)
 
     def over(self, candidate: _Candidate) -> dict[str, float]:
         """The devices that do not fit, with the bytes they are short."""
         return {d: n - self.limits[d] for d, n in candidate.needed.items() if n > self.limits[d]}
+
+
+def device_needs(part: Any, choices: StageChoices, microbatches: int | None = None) -> dict[str, float]:
+    """Bytes each device of ``part`` (a Partitioned) must hold under ``choices`` (with a
+    memory profile): its stages' state (parameters, gradients, Adam's moments, buffers)
+    and the most activations its workers hold at once."""
+    m = microbatches or part.plan.microbatches
+    state = [e.state_bytes for e in part.estimates(m, choices)]
+    return _needs(part.devices, state, plan_schedule(part.plan, part.num_stages, m, part.deps), choices.profile)
+
+
+def _needs(devices: Sequence[str], state: Sequence[float], actions: Any, profile: Sequence[MicrobatchMemory]) -> dict[str, float]:
+    """Per device, its stages' ``state`` plus its workers' activation peaks."""
+    workers = stage_workers(actions)
+    needed = dict.fromkeys(devices, 0.0)
+    for s, device in enumerate(devices):
+        needed[device] += state[s]
+    for w, peak in enumerate(activation_peaks(actions, profile)[1]):
+        needed[devices[workers.index(w)]] += peak
+    return needed
 
 
 def choose(part: Any) -> tuple[list[Choice], float]:
