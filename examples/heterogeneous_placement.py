@@ -52,6 +52,7 @@ from fxpipe.memory_plan import device_needs
 
 HOST, GPU = "cpu", "cuda:0"  # the declared devices
 ADAM_STATES = 2
+KEEPS = {False: "keep", True: "recompute", "selective": "selective"}  # a stage's checkpoint choice, in words
 
 
 class Block(nn.Module):
@@ -125,7 +126,7 @@ def predict(option: Option, model: nn.Module, x: torch.Tensor) -> fxpipe.Partiti
     choices = part.choices()
     option.predicted_step = part.simulate(choices=choices).step_time
     option.predicted_memory = device_needs(part, choices).get(GPU, 0.0)
-    option.keeps = ", ".join(f"{s.recompute if not s.offload else 'offload'}" for s in part.stages)
+    option.keeps = ", ".join(KEEPS[s.recompute] if not s.offload else "offload" for s in part.stages)
     return part
 
 
@@ -160,23 +161,30 @@ def plot(results: Sequence[Option], budget: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
 
-    names = [o.name for o in results]
-    where = range(len(results))
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_time.bar(list(where), [o.predicted_step * 1e3 for o in results], color="C0")
+    where = list(range(len(results)))
+    fits = ["C0" if o.predicted_memory <= budget else "grey" for o in results]
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(13, 5.4))
+    ax_time.bar(where, [o.predicted_step * 1e3 for o in results], color=fits)
     ax_time.set_ylabel("predicted step on the declared devices (ms)")
+    ax_time.set_title("time (grey: does not fit)", fontsize=9)
     for k, o in enumerate(results):
         ax_time.annotate(o.keeps, (k, o.predicted_step * 1e3), ha="center", va="bottom", fontsize=7)
-    ax_mem.bar([k - 0.2 for k in where], [o.predicted_memory / 1e6 for o in results], width=0.4, color="C0", label="predicted")
-    ax_mem.bar([k + 0.2 for k in where], [(o.measured_memory or 0) / 1e6 for o in results], width=0.4, color="C1", label="measured")
+    ax_mem.bar([k - 0.2 for k in where], [o.predicted_memory / 1e6 for o in results], width=0.4, color=fits)
+    ax_mem.bar([k + 0.2 for k in where], [(o.measured_memory or 0) / 1e6 for o in results], width=0.4, color="C1")
+    for k, o in enumerate(results):
+        if o.measured_memory is None:
+            ax_mem.annotate("measured\non CUDA\nonly", (k + 0.2, budget * 0.02 / 1e6), ha="center", va="bottom", fontsize=7, color="C1")
     ax_mem.axhline(budget / 1e6, color="red", linestyle="--", linewidth=1)
-    ax_mem.annotate(f"{GPU} memory {budget / 1e6:.0f} MB", (len(results) - 0.5, budget / 1e6), color="red", ha="right", va="bottom", fontsize=8)
+    ax_mem.annotate(f"{GPU}: {budget / 1e6:.0f} MB", (-0.45, budget / 1e6), color="red", ha="left", va="bottom", fontsize=8)
     ax_mem.set_ylabel(f"bytes {GPU} must hold (MB)")
-    ax_mem.legend(loc="upper right")
+    ax_mem.set_title("memory: state with Adam's moments + activations at their peak", fontsize=9)
+    handles = [matplotlib.patches.Patch(color=c, label=t) for c, t in (("C0", "predicted"), ("grey", "predicted, does not fit"), ("C1", "measured"))]
+    ax_mem.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
     for ax in (ax_time, ax_mem):
-        ax.set_xticks(list(where), [n.replace(", ", ",\n") for n in names], fontsize=8)
+        ax.set_xticks(where, [o.name.replace(" the", "\nthe").replace(" embedding", "\nembedding").replace(", ", ",\n") for o in results], fontsize=8)
     fig.suptitle("TokenTransformer on a host and a small GPU: placement, offload, recompute and the planner's choice", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -3,10 +3,13 @@
 Reads the costs the compiler wrote on the partitioned graph (``node.meta["cost"]``, and
 ``node.meta["measured_time"]`` where ``fxpipe.profile`` timed a node) and the device model
 (``fxpipe.cost_model``); writes nothing. Per stage: forward, input-gradient (I) and
-weight-gradient (W) seconds per micro-batch, send/recv seconds, and memory: state plus one
-micro-batch's activations times the micro-batches the schedule holds in flight there (read
-from the schedule itself, simulated with unit costs). The predicted timeline plays the
-plan's schedule with these times on ``fxpipe.schedule_sim``'s ideal clock.
+weight-gradient (W) seconds per micro-batch, the seconds a recompute (or an offload's
+unhidden transfers) adds to the backward, send/recv seconds, and memory: state plus the
+activation peak, from the stages' memory profile (``fxpipe.memory_profile``) walked
+through the schedule (``fxpipe.memory_model``) when given one, else one micro-batch's
+output bytes times the micro-batches the schedule holds in flight there (the node model
+``split="auto"`` cuts with). The predicted timeline plays the plan's schedule with these
+times on ``fxpipe.schedule_sim``'s ideal clock.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from fxpipe import format as fmt
 from fxpipe import memory_profile
 from fxpipe.cost_model import Calibration
 from fxpipe.estimates import StageChoices, StageEstimate, estimate_stages, predicted_timeline
-from fxpipe.memory_model import MicrobatchMemory
+from fxpipe.memory_model import MicrobatchMemory, describe_choice
 from fxpipe.passes.partition import PartitionedGraph
 from fxpipe.plan import Plan
 from fxpipe.stage import Stage
@@ -119,8 +119,8 @@ class Partitioned:
             lines.append(
                 f"    cost model, per micro-batch: forward {fmt.seconds(est.forward)}, backward "
                 f"{fmt.seconds(est.backward)}, send/recv {fmt.seconds(est.comm)}; memory {fmt.nbytes(est.memory)} "
-                f"(state {fmt.nbytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
-                f"x {fmt.nbytes(est.activation_bytes)})"
+                f"(state {fmt.nbytes(est.state_bytes)} + activations {fmt.nbytes(est.activation_peak)} at their peak, "
+                f"{est.in_flight} micro-batch(es) in flight; keeps {describe_choice(s.recompute, s.offload)})"
             )
             for e in s.inputs:
                 lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")

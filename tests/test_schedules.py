@@ -665,6 +665,8 @@ def test_docs_tables_are_what_the_generators_play():
     text = DOC.read_text()
     assert _tick_table(zb_h1(4, 8), 4) in text
     assert _tick_table(zb_v(2, 4), 4) in text
+    assert _tick_table(v_half(3, 3), 6) in text
+    assert _tick_table(v_min(3, 3), 6) in text
 
 
 def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
@@ -674,7 +676,7 @@ def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
         if "fxpipe.compile" not in block:
             exec(compile(block, str(DOC), "exec"), namespace)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(printed) == 1 + 3 + 5
+    assert len(printed) == 1 + 3 + 7
     for line in printed:
         assert f"# {line}" in text, line
 
