@@ -155,6 +155,10 @@ class StageMemory:
         return self._packed.get(key, set())
 
     def _pack(self, t: torch.Tensor, key: Any, offload: Offload | None) -> Any:
+        # what autograd keeps must not hold a grad_fn: an op's saved output would otherwise
+        # reference its own graph through the hook (a cycle the collector cannot see, which
+        # a step that never runs its backward, a failed one, would leak)
+        t = t.detach() if t.grad_fn is not None else t
         entry = self._entry(t)
         if entry is None:
             return t
