@@ -66,6 +66,13 @@ def profile(part: Any, microbatches: int, recompute: Sequence[Recompute], offloa
         return [_backward(runner, outputs.get(runner.index, []), ctx) for runner in runners]
 
 
+def _failed(stage: int, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"stage {stage} cannot run on fake tensors, so what it keeps for backward cannot be "
+        f"predicted: {type(err).__name__}: {err}"
+    )
+
+
 def _fake_runner(part: Any, s: int, mode: FakeTensorMode, recompute: Recompute, offload: bool) -> StageRunner:
     """Stage ``s``'s runner on a copy of its module whose tensors are fakes (offloading
     only in the accounting)."""
@@ -109,10 +116,7 @@ def _forwards(runners: list[StageRunner], inputs: list, ctx: StepContext, part: 
         try:
             out = runner.forward(0, inputs if runner.index == 0 else (), received, ctx)
         except Exception as err:
-            raise RuntimeError(
-                f"stage {runner.index} cannot run on fake tensors, so what it keeps for backward cannot be "
-                f"predicted: {type(err).__name__}: {err}"
-            ) from err
+            raise _failed(runner.index, err) from err
         outputs[runner.index] = out
         values.update(zip(runner.send, out))
     return outputs
@@ -125,12 +129,14 @@ def _backward(runner: StageRunner, out: list, ctx: StepContext) -> MicrobatchMem
     forward = memory.live
     memory.peak = memory.live
     grads = [[torch.zeros_like(t) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in pytree.tree_leaves(v)] for v in out]
-    if "weight_grads" in runner.extra_inputs:
-        runner.backward_input(0, grads, ctx)
-        weight = memory.live
-        backward = memory.peak
-        runner.backward_weight(0, ctx)
-    else:
-        runner.backward(0, grads, ctx)
-        weight, backward = 0, memory.peak
+    try:
+        if "weight_grads" in runner.extra_inputs:
+            runner.backward_input(0, grads, ctx)
+            weight, backward = memory.live, memory.peak
+            runner.backward_weight(0, ctx)
+        else:
+            runner.backward(0, grads, ctx)
+            weight, backward = 0, memory.peak
+    except Exception as err:
+        raise _failed(runner.index, err) from err
     return MicrobatchMemory(float(forward), float(max(backward, forward)), float(weight))

@@ -90,8 +90,10 @@ def test_heterogeneous_placement_compares_placement_offload_recompute_and_the_pl
     assert results["recompute"].predicted_step > results["all on the GPU"].predicted_step  # recompute costs time
     assert results["planner, no offload"].predicted_step <= results["recompute"].predicted_step
     for o in results.values():
-        if o.measured_memory is not None:  # measured where it runs here: within 15% of the prediction
-            assert abs(o.measured_memory / o.predicted_memory - 1) < 0.15, o
+        if o.measured_memory is not None:  # measured where it runs here
+            # two stages on one device: the prediction adds their peaks, which the run may
+            # reach at different times (how far apart depends on the threads' timing)
+            assert 0.7 * o.predicted_memory <= o.measured_memory <= 1.01 * o.predicted_memory, o
             assert o.measured_step > 0
     assert results["offload"].measured_memory is None or torch.cuda.is_available()
     assert plot.stat().st_size > 0

@@ -224,9 +224,12 @@ class StepMemory:
     stages: per stage index, its :class:`StageMemory`; devices: per logical device, the
     :class:`Total` of its stages; gradients: per stage, the bytes of its parameters'
     gradients after the step; allocator_peak: per CUDA device, the caching allocator's
-    peak during the step (``torch.cuda.max_memory_allocated``).
+    peak during the step (``torch.cuda.max_memory_allocated``); measured: False for a
+    step that is not measured, whose offloading stages still count (offload runs through
+    the same hooks) and the rest do not.
     """
 
+    measured: bool = True
     stages: dict[int, StageMemory] = field(default_factory=dict)
     devices: dict[str, Total] = field(default_factory=dict)
     gradients: dict[int, int] = field(default_factory=dict)
@@ -242,12 +245,13 @@ class StepMemory:
             return self.stages[index]
 
     @classmethod
-    def start(cls, devices: Iterable[torch.device]) -> StepMemory:
-        """A record for a step about to run on ``devices`` (the CUDA allocators' peaks are
-        reset, so they measure this step)."""
-        for device in {d for d in devices if d.type == "cuda"}:
-            torch.cuda.reset_peak_memory_stats(device)
-        return cls()
+    def start(cls, devices: Iterable[torch.device], measured: bool = True) -> StepMemory:
+        """A record for a step about to run on ``devices`` (when ``measured``, the CUDA
+        allocators' peaks are reset, so they measure this step)."""
+        if measured:
+            for device in {d for d in devices if d.type == "cuda"}:
+                torch.cuda.reset_peak_memory_stats(device)
+        return cls(measured)
 
     def finish(self, modules: dict[int, torch.nn.Module], devices: Iterable[torch.device]) -> StepMemory:
         """Record what the step left: each stage's gradient bytes, the allocators' peaks."""

@@ -332,11 +332,10 @@ class PipelineBase(PipelineViews):
         # a step's memory repeats (the same code on the same shapes in the same order): it is
         # measured in the first step of each signature and micro-batch count only
         measured = (id(batch.program), len(batch.inputs))
-        if measured not in self._measured:
-            ctx.memory = StepMemory.start(r.device for r in runners.values())
+        ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
-        if ctx.memory is not None:
+        if ctx.memory.measured:
             self._measured.add(measured)
             modules = {s: r.module for s, r in runners.items()}
             self._last_memory = (batch.program.part, batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)

@@ -216,8 +216,9 @@ class StageRunner:
             finite.check(ctx.losses[i], f"the loss of micro-batch {i}")
 
     def memory_of(self, ctx: StepContext) -> StageMemory | None:
-        """This stage's record of what it keeps for backward in a measured training step."""
-        if not ctx.train or ctx.memory is None:
+        """This stage's record of what it keeps for backward in a measured training step
+        (in every training step when it offloads: offloading runs through its hooks)."""
+        if not ctx.train or ctx.memory is None or not (ctx.memory.measured or self.offload is not None):
             return None
         return ctx.memory.stage(self.index, self.module, self.name or str(self.device))
 
