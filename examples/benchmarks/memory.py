@@ -181,6 +181,7 @@ def plot(rows: list[tuple[str, str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     markers = {"lm": "o", "resnet18": "s"}
@@ -202,6 +203,8 @@ def plot(rows: list[tuple[str, str, Any]], path: str) -> None:
         ax.fill_between(line, line * 0.85, line * 1.15, color="grey", alpha=0.2, label="±15%")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # decades only: minor labels collide
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("measured (MiB)")
         ax.set_ylabel("predicted (MiB)")
         ax.set_title(f"per stage: {what}")
