@@ -39,7 +39,7 @@ test-gpu: $(STAMP)
 test-llm: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_multinode.py
 
-# every figure in docs/results.md's benchmark sections (about 35 minutes on 2 cores)
+# every figure in docs/results.md's benchmark sections (about 40 minutes on 2 cores)
 bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
 	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png
@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
+	$(BIN)/python examples/benchmarks/memory.py --plot docs/img/memory-predicted-vs-measured.png
 
 # the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10
 # minutes); refuses to run without CUDA

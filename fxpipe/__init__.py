@@ -3,8 +3,9 @@
 ``fxpipe.compile(model, plan)`` traces the model, assigns every node a stage (from
 ``device_guard`` tags, split points or a cost model), cuts the graph with explicit
 send/recv edges, emits one GraphModule per stage and runs them on a schedule: GPipe, 1F1B,
-interleaved 1F1B, the zero-bubble ZB-H1 and ZB-V, or your own lists of ``fxpipe.Action``
-(checked by ``fxpipe.check_schedule`` before anything runs).
+interleaved 1F1B, the zero-bubble ZB-H1 and ZB-V, the memory-controlled V-Half and V-Min,
+or your own lists of ``fxpipe.Action`` (checked by ``fxpipe.check_schedule`` before anything
+runs). ``pipe.memory()`` reports each stage's memory, measured against its prediction.
 """
 
 from typing import Any
@@ -14,6 +15,7 @@ from fxpipe.devices import DeviceError
 from fxpipe.factory import compile
 from fxpipe.guard import device_guard
 from fxpipe.local_pipeline import Pipeline
+from fxpipe.memory_report import MemoryReport
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.annotate import AnnotateError
@@ -44,6 +46,7 @@ __all__ = [
     "DeviceError",
     "DeviceSpec",
     "DistributedPipeline",
+    "MemoryReport",
     "MicrobatchError",
     "Partitioned",
     "Pipeline",

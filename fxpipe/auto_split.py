@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 import torch
@@ -82,34 +83,15 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         dtype=torch.float64,
     )  # stages x nodes x (forward, input gradient, weight gradient)
     flight = in_flight(plan, actions, num_stages)
-    problem = SplitProblem(
-        item_time=phases.sum(2),
-        cut_bytes=cuts,
-        recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
-        send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
-        fixed_time=[2 * mdl.spec.latency * (1 + (k > 0) + (k < num_stages - 1)) for k, mdl in enumerate(models)],
-        state_bytes=_state_per_item(graph, order),
-        activation_bytes=[cost_of(n).activation_bytes / m for n in order],
-        in_flight=flight,
-        memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
-    )
-    try:
-        split = solve(problem)
-    except SplitInfeasible as err:
-        raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
+    problem_for = _problems(graph, order, phases, cuts, models, devices, m, flight)
+    problem, split = _solve(plan, problem_for, lambda err, problem, held: _infeasible_message(err, devices, problem, order, held, m), flight)
     step_time = _simulated_step(actions, m, models, phases, cuts)
     minmax_step = step_time(split.boundaries)
     bounds = refine(problem, split.boundaries, step_time)
     refined_step = step_time(bounds)
     if refined_step > minmax_step * (1 - REFINE_MIN_GAIN):
         bounds, refined_step = split.boundaries, minmax_step
-    stage_times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(num_stages)]
-    reasons = [
-        f"cost model: {fmt.seconds(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
-        f"memory {fmt.nbytes(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {fmt.nbytes(problem.memory[k])}"
-        + ("; the slowest stage" if t == max(stage_times) else "")
-        for k, t in enumerate(stage_times)
-    ]
+    reasons = _reasons(problem, bounds, devices)
     refined = bounds != split.boundaries
     if refined:
         reasons[0] += (
@@ -118,6 +100,58 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         )
     how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
     return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
+
+
+def _problems(
+    graph: fx.Graph, order: list[fx.Node], phases: torch.Tensor, cuts: list[float], models: list[DeviceModel], devices: list[str], m: int, flight: list[int]
+) -> Callable[[bool], SplitProblem]:
+    """``problem_for(recompute)``: the split problem when every stage keeps its activations,
+    or recomputes (each then holds one micro-batch's at a time, and runs its forward twice)."""
+    num_stages = len(models)
+
+    def problem_for(recompute: bool) -> SplitProblem:
+        return SplitProblem(
+            item_time=phases.sum(2) + (phases[:, :, 0] if recompute else 0.0),
+            cut_bytes=cuts,
+            recv_per_byte=[0.0] + [2 / m * models[k].seconds_per_byte(models[k - 1]) for k in range(1, num_stages)],
+            send_per_byte=[2 / m * models[k].seconds_per_byte(models[k + 1]) for k in range(num_stages - 1)] + [0.0],
+            fixed_time=[2 * mdl.spec.latency * (1 + (k > 0) + (k < num_stages - 1)) for k, mdl in enumerate(models)],
+            state_bytes=_state_per_item(graph, order),
+            activation_bytes=[cost_of(n).activation_bytes / m for n in order],
+            in_flight=[1] * num_stages if recompute else flight,
+            memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
+        )
+
+    return problem_for
+
+
+def _solve(plan: Plan, problem_for: Callable[[bool], SplitProblem], message: Callable[..., str], flight: list[int]) -> tuple[SplitProblem, Any]:
+    """The min-max split with every stage keeping its activations; under
+    ``checkpoint="auto"``, when none fits, the split for recomputing stages (the memory
+    plan then keeps the activations of every stage that fits with them). Raises PlanError
+    with ``message(err, problem, in_flight)`` when nothing fits."""
+    problem = problem_for(False)
+    try:
+        return problem, solve(problem)
+    except SplitInfeasible as err:
+        if plan.checkpoint != "auto":
+            raise PlanError(message(err, problem, flight)) from err
+    problem = problem_for(True)
+    try:
+        return problem, solve(problem)
+    except SplitInfeasible as err:
+        raise PlanError(message(err, problem, [1] * len(flight))) from err
+
+
+def _reasons(problem: SplitProblem, bounds: list[int], devices: list[str]) -> list[str]:
+    """Per stage of a split, its predicted time and memory, the slowest one marked."""
+    times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(len(devices))]
+    return [
+        f"cost model: {fmt.seconds(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
+        f"memory {fmt.nbytes(problem.stage_memory(k, bounds[k], bounds[k + 1]))} of {fmt.nbytes(problem.memory[k])}"
+        + ("; the slowest stage" if t == max(times) else "")
+        for k, t in enumerate(times)
+    ]
 
 
 def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:
@@ -180,7 +214,7 @@ def _infeasible_message(err: SplitInfeasible, devices: list[str], problem: Split
             f"has {fmt.nbytes(err.limits[k])}{over}"
         )
     lines.append(
-        "give the devices more memory in plan.device_specs, add devices, use checkpoint=True, "
+        "give the devices more memory in plan.device_specs, add devices, use checkpoint=True or 'auto', "
         f"or more micro-batches (now {m}) to shrink activations"
     )
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpipe.auto_split import auto_split
 from fxpipe.cost_model import Calibration
 from fxpipe.loss_scale import model_losses
+from fxpipe.memory_plan import memory_choices, plan_memory
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
@@ -115,10 +116,14 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
     assignment, how = _annotate(gm.graph, plan, model, profile)
     used = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     progress.phase("partition")
-    return _cut(
+    part = _cut(
         traced, plan, assignment, how, type(model).__name__, lambda s: resolve, _unused_state(model, used),
         example_inputs, kwargs, calibration=profile.calibration if profile is not None else None,
     )
+    if plan.checkpoint == "auto" or plan.offload == "auto":
+        progress.phase("memory plan")
+        plan_memory(part)
+    return part
 
 
 def partition_like(
@@ -158,6 +163,7 @@ def partition_like(
     part = _cut(
         traced, plan, assignment, how, first.model_name, lambda s: functools.partial(own, functools.partial(lookup, roots_for(s))), {}, args, dict(kwargs),
         devices=first.devices, calibration=first.calibration,
+        choices=([st.recompute for st in first.stages], [st.offload for st in first.stages]),
     )
     if part.stage_workers != first.stage_workers:
         raise PlanError(f"the trace for {traced.key} places stages on workers {part.stage_workers}, the first signature on {first.stage_workers}")
@@ -219,8 +225,10 @@ def _cut(
     example_kwargs: dict,
     devices: list[str] | None = None,
     calibration: Calibration | None = None,
+    choices: tuple[list, list] | None = None,
 ) -> Partitioned:
-    """Partition an annotated trace, run the per-stage passes, and describe the result."""
+    """Partition an annotated trace, run the per-stage passes, and describe the result.
+    ``choices``: each stage's (recompute, offload), as an earlier signature resolved them."""
     gm = traced.graph_module
     annotate_pass.check_monotone(gm.graph)
     stage_anchors = annotate_pass.anchors(gm.graph) if plan.split == "auto" and assignment.num_stages > 1 else []
@@ -229,6 +237,7 @@ def _cut(
     actions = plan.actions(assignment.num_stages, deps=cut.deps)
     workers = stage_workers(actions)
     devices = devices or plan.stage_devices(workers, assignment.tag_devices, how)
+    recompute, offload = memory_choices(plan, assignment.num_stages, devices, choices)
     num_model_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     edge_index = {id(e): k for k, e in enumerate(cut.edges)}
     split_backward = any(a.op in ("I", "W") for todo in actions for a in todo)
@@ -254,6 +263,8 @@ def _cut(
                 mutated_inputs=mutated,
                 extra_inputs=tuple(roles),
                 buffers_written=written,
+                recompute=recompute[s],
+                offload=offload[s],
             )
         )
     last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]

@@ -3,12 +3,14 @@
 Reads the costs the compiler wrote on the partitioned graph (``node.meta["cost"]``, and
 ``node.meta["measured_time"]`` where ``fxpipe.profile`` timed a node) and the device model
 (``fxpipe.cost_model``); writes nothing. Per stage: forward, input-gradient (I) and
-weight-gradient (W) seconds per micro-batch, send/recv seconds, and memory: state plus one
-micro-batch's activations times the micro-batches the schedule holds in flight there (read
-from the schedule itself, simulated with unit costs). The predicted timeline plays the
-plan's schedule with these times on ``fxpipe.schedule_sim``'s ideal clock. The schedule
-comes from the caller (``Partitioned.actions``, or the plan's for ``split="auto"``): this
-module resolves none.
+weight-gradient (W) seconds per micro-batch, the seconds a recompute (or an offload's
+unhidden transfers) adds to the backward, send/recv seconds, and memory: state plus the
+activation peak, from the stages' memory profile (``fxpipe.memory_profile``) walked
+through the schedule (``fxpipe.memory_model``) when given one, else one micro-batch's
+output bytes times the micro-batches the schedule holds in flight there (the node model
+``split="auto"`` cuts with). The predicted timeline plays the plan's schedule with these
+times on ``fxpipe.schedule_sim``'s ideal clock. The schedule comes from the caller
+(``Partitioned.actions``, or the plan's for ``split="auto"``): this module resolves none.
 """
 
 from __future__ import annotations
@@ -19,13 +21,51 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxpipe.cost_model import Calibration, DeviceModel, stage_models, state_bytes, transfer_seconds
+from fxpipe.memory_model import MicrobatchMemory, activation_peaks
 from fxpipe.passes.meta import EDGE, MEASURED, STAGE
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.partition import Edge
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, is_recompute
 from fxpipe.schedule_sim import simulate
 from fxpipe.schedules import Action, Schedule
 from fxpipe.timeline import Timeline
+
+# node kinds whose outputs selective recompute keeps (the rest it runs again)
+COSTLY_KINDS = ("matmul", "conv")
+
+
+@dataclass(frozen=True)
+class StageChoices:
+    """What each stage keeps for backward: ``recompute`` (False, True or "selective") and
+    ``offload`` per stage; ``profile``: what one micro-batch then keeps on each stage
+    (``fxpipe.memory_profile``), or None when not profiled."""
+
+    recompute: Sequence[bool | str]
+    offload: Sequence[bool]
+    profile: Sequence[MicrobatchMemory] | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, num_stages: int) -> StageChoices:
+        """The choices ``plan`` states outright ("auto" counts as keeping everything)."""
+        checkpoint = plan.checkpoint
+        if isinstance(checkpoint, list) and len(checkpoint) == num_stages:
+            return cls(list(checkpoint), [False] * num_stages)
+        fixed = checkpoint if is_recompute(checkpoint) else False
+        return cls([fixed] * num_stages, [False] * num_stages)
+
+    def recompute_seconds(self, stage: int, forward: float, cheap: float, model: DeviceModel, compute: float) -> float:
+        """Seconds stage ``stage``'s backward adds: its forward again (True), its cheap ops
+        again ("selective"), or the offloaded tensors' transfers that its compute
+        (``compute`` seconds) does not hide."""
+        mode = self.recompute[stage]
+        if mode is True:
+            return forward
+        if mode == "selective":
+            return cheap
+        if self.offload[stage] and self.profile is not None:
+            moved = self.profile[stage].backward - self.profile[stage].forward
+            return max(0.0, 2 * moved / model.spec.bandwidth - compute)
+        return 0.0
 
 
 @dataclass
@@ -34,10 +74,14 @@ class StageEstimate:
 
     flops: forward FLOPs of the full example batch; forward / input_grad / weight_grad:
     compute seconds of the forward and of the backward's two parts (I: gradients of the
-    stage's inputs, W: of its weights); comm: seconds sending and receiving (both
-    directions); state_bytes: parameters, gradients, optimizer state and buffers;
-    activation_bytes: what one micro-batch keeps for backward; in_flight: micro-batches
-    held at once under the schedule.
+    stage's inputs, W: of its weights); recompute: seconds the backward spends running
+    forward ops again (``checkpoint`` True or "selective"), or waiting for offloaded
+    tensors; comm: seconds sending and receiving (both directions); state_bytes:
+    parameters, gradients, optimizer state and buffers; activation_bytes: what one
+    micro-batch's outputs take (the node model); in_flight: micro-batches held at once
+    under the schedule; activation_peak: the most bytes kept for backward at once over
+    the step (from a fake run of the stage when profiled, else in_flight x
+    activation_bytes).
     """
 
     index: int
@@ -50,11 +94,13 @@ class StageEstimate:
     state_bytes: float
     activation_bytes: float
     in_flight: int
+    recompute: float = 0.0
+    activation_peak: float = 0.0
 
     @property
     def backward(self) -> float:
-        """Backward seconds: I plus W."""
-        return self.input_grad + self.weight_grad
+        """Backward seconds: I plus W, plus any recompute."""
+        return self.input_grad + self.weight_grad + self.recompute
 
     @property
     def time(self) -> float:
@@ -62,14 +108,15 @@ class StageEstimate:
 
     @property
     def memory(self) -> float:
-        return self.state_bytes + self.in_flight * self.activation_bytes
+        """Bytes on the device: state (with optimizer state) and the activation peak."""
+        return self.state_bytes + self.activation_peak
 
 
 def in_flight(plan: Plan, actions: Schedule, num_stages: int, deps: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """Per stage, the most micro-batches whose activations ``actions`` (the plan's schedule
-    on the stage graph ``deps``, the chain by default) hold at once; one each under
-    ``plan.checkpoint``."""
-    if plan.checkpoint:
+    on the stage graph ``deps``, the chain by default) hold at once; one each where the plan
+    recomputes every stage's forward."""
+    if plan.checkpoint is True:
         return [1] * num_stages
     peaks = simulate(actions, num_stages, 1.0, 2.0, deps=deps).peak_in_flight()
     return [max(peaks.get(s, 1), 1) for s in range(num_stages)]
@@ -88,17 +135,21 @@ def estimate_stages(
     edges: Sequence[Edge],
     devices: list[str],
     plan: Plan,
-    flight: Sequence[int],
+    actions: Schedule,
     m: int,
     calibration: Calibration | None = None,
+    choices: StageChoices | None = None,
 ) -> list[StageEstimate]:
     """Per stage of a partitioned graph (nodes carry ``stage`` and ``cost``), its estimate
-    for ``m`` micro-batches, with ``flight[s]`` micro-batches in flight on stage s
-    (:func:`in_flight`); ``calibration`` (from ``fxpipe.profile``) rates the nodes it did
-    not time."""
+    for ``m`` micro-batches run as ``actions`` (the plan's schedule); ``calibration`` (from
+    ``fxpipe.profile``) rates the nodes it did not time; ``choices`` says what each stage
+    keeps for backward and, with a memory profile, gives the activation peaks (without
+    one, in-flight micro-batches x the node model's bytes)."""
     models = stage_models(plan, devices, calibration)
     measured_on = measured_device(graph, plan, calibration)
+    flight = in_flight(plan, actions, len(devices), _deps(edges))
     est = [StageEstimate(k, d, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, flight[k]) for k, d in enumerate(devices)]
+    cheap = [0.0] * len(devices)  # forward seconds of the ops selective recompute runs again
     for node in graph.nodes:
         if EDGE in node.meta or node.meta.get(STAGE) is None or node.op in ("placeholder", "output"):
             continue
@@ -113,10 +164,19 @@ def estimate_stages(
         e.input_grad += times.input_grad
         e.weight_grad += times.weight_grad
         e.activation_bytes += cost.activation_bytes / m
+        if cost.kind not in COSTLY_KINDS:
+            cheap[e.index] += times.forward
     for edge in edges:
         seconds = transfer_seconds(models, edge.src, edge.dst, edge.nbytes / m)
         est[edge.src].comm += 2 * seconds
         est[edge.dst].comm += 2 * seconds
+    choices = choices or StageChoices.of(plan, len(devices))
+    peaks = None
+    if choices.profile is not None:
+        peaks = activation_peaks(actions, choices.profile)[0]
+    for e in est:
+        e.recompute = choices.recompute_seconds(e.index, e.forward, cheap[e.index], models[e.index], e.forward + e.input_grad + e.weight_grad)
+        e.activation_peak = peaks[e.index] if peaks is not None else e.in_flight * e.activation_bytes
     return est
 
 
@@ -156,11 +216,16 @@ def predicted_timeline(
     calibration: Calibration | None = None,
 ) -> Timeline:
     """The predicted Timeline of one training step of a partitioned graph: ``actions`` (the
-    plan's schedule for ``m`` micro-batches) played with the stages' estimates ``est``."""
+    plan's schedule for ``m`` micro-batches) played with the stages' estimates ``est`` (a
+    stage's recompute runs in its backward, before its input gradients)."""
     sizes: dict[tuple[int, int], float] = {}
     for edge in edges:
         sizes[(edge.src, edge.dst)] = sizes.get((edge.src, edge.dst), 0.0) + edge.nbytes / m
     models = stage_models(plan, devices, calibration)
-    timeline = play(actions, models, [e.forward for e in est], [e.input_grad for e in est], [e.weight_grad for e in est], sizes)
+    timeline = play(actions, models, [e.forward for e in est], [e.input_grad + e.recompute for e in est], [e.weight_grad for e in est], sizes)
     timeline.activation_bytes = {e.index: int(e.activation_bytes) for e in est}
     return timeline
+
+
+def _deps(edges: Sequence[Edge]) -> list[tuple[int, int]]:
+    return sorted({(e.src, e.dst) for e in edges})

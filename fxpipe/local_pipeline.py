@@ -21,7 +21,8 @@ from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.local import LocalExecutor
-from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program, make_runner
+from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program
+from fxpipe.runtime.runner import make_runner
 from fxpipe.schedules import describe_schedule
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -12,9 +12,11 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe import format as fmt
+from fxpipe import memory_profile
 from fxpipe.contents import crossing_values, stage_contents
 from fxpipe.cost_model import Calibration
-from fxpipe.estimates import StageEstimate, estimate_stages, in_flight, predicted_timeline
+from fxpipe.estimates import StageChoices, StageEstimate, estimate_stages, predicted_timeline
+from fxpipe.memory_model import MicrobatchMemory, describe_choice
 from fxpipe.passes.partition import Edge, PartitionedGraph
 from fxpipe.plan import Plan, PlanScheduleError
 from fxpipe.schedules import Schedule, ScheduleSpec, describe_schedule, forward_only, stage_workers
@@ -60,6 +62,8 @@ class Partitioned:
     calibration: Calibration | None = None
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
+    # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
+    profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property
@@ -168,7 +172,7 @@ class Partitioned:
         lines.append("send/recv bytes are per full example batch; each micro-batch moves its share")
         lines.append(
             "FLOPs: forward, full example batch; predicted: forward+backward+send/recv of one micro-batch; "
-            "memory: parameters, gradients, optimizer state and in-flight activations (see docs/cost-model.md)"
+            "memory: parameters, gradients, optimizer state and the activation peak (see docs/cost-model.md)"
         )
         return "\n".join(lines)
 
@@ -188,30 +192,67 @@ class Partitioned:
             lines.append(
                 f"    cost model, per micro-batch: forward {fmt.seconds(est.forward)}, backward "
                 f"{fmt.seconds(est.backward)}, send/recv {fmt.seconds(est.comm)}; memory {fmt.nbytes(est.memory)} "
-                f"(state {fmt.nbytes(est.state_bytes)} + {est.in_flight} micro-batch(es) of activations "
-                f"x {fmt.nbytes(est.activation_bytes)})"
+                f"(state {fmt.nbytes(est.state_bytes)} + activations {fmt.nbytes(est.activation_peak)} at their peak, "
+                f"{est.in_flight} micro-batch(es) in flight; keeps {describe_choice(s.recompute, s.offload)})"
             )
             lines += [f"    recv from stage {e.src}: {value(e)}" for e in s.inputs]
             lines += [f"    send to stage {e.dst}: {value(e)}" for e in s.outputs]
         return "\n".join(lines)
 
-    def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
+    def estimates(self, microbatches: int | None = None, choices: StageChoices | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from
-        the node costs the compiler wrote. ``microbatches`` defaults to the plan's."""
+        the node costs the compiler wrote and the stages' memory profile. ``microbatches``
+        defaults to the plan's; ``choices`` to the stages' own recompute and offload."""
         m = microbatches or self.plan.microbatches
-        flight = in_flight(self.plan, self.actions(m), self.num_stages, self.deps)
-        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, flight, m, self.calibration)
+        choices = choices or self.choices(m)
+        return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, self.actions(m), m, self.calibration, choices)
 
-    def simulate(self, microbatches: int | None = None) -> Timeline:
+    def simulate(self, microbatches: int | None = None, choices: StageChoices | None = None) -> Timeline:
         """The predicted Timeline of one training step under the plan's schedule.
 
-        Stage times come from the cost model (or ``fxpipe.profile`` measurements);
-        ``microbatches`` overrides the plan's count. Returns a Timeline of kind "predicted"
-        whose ``activation_bytes`` gives each stage's bytes per micro-batch.
+        Stage times come from the cost model (or ``fxpipe.profile`` measurements), with
+        each stage's recompute in its backward; ``microbatches`` overrides the plan's count.
+        Returns a Timeline of kind "predicted" whose ``activation_bytes`` gives each
+        stage's bytes per micro-batch.
         """
         m = microbatches or self.plan.microbatches
-        estimates = self.estimates(m)
-        return predicted_timeline(estimates, self.actions(m), self.partitioned.edges, self.devices, self.plan, m, self.calibration)
+        choices = choices or self.choices(m)
+        return predicted_timeline(self.estimates(m, choices), self.actions(m), self.partitioned.edges, self.devices, self.plan, m, self.calibration)
+
+    def choices(
+        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None, size: int | None = None
+    ) -> StageChoices:
+        """What each stage keeps for backward (its own recompute and offload unless given)
+        with the memory profile of that choice (see :meth:`memory_profile`)."""
+        recompute = list(recompute if recompute is not None else (s.recompute for s in self.stages))
+        offload = list(offload if offload is not None else (s.offload for s in self.stages))
+        return StageChoices(recompute, offload, self.memory_profile(microbatches, recompute, offload, size))
+
+    def memory_profile(
+        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None, size: int | None = None
+    ) -> list[MicrobatchMemory] | None:
+        """Per stage, what one micro-batch keeps for backward (``fxpipe.memory_profile``),
+        by default under the stages' own recompute and offload: run on fake tensors at the
+        plan's micro-batch once per choice, then scaled to a micro-batch of ``size``
+        samples (default: the first piece of the example batch cut into
+        ``microbatches``). None, said once in ``notes``, when a stage cannot run on fake
+        tensors."""
+        recompute = tuple(recompute if recompute is not None else (s.recompute for s in self.stages))
+        offload = tuple(offload if offload is not None else (s.offload for s in self.stages))
+        key = (recompute, offload)
+        if key not in self.profiles:
+            try:
+                at = memory_profile.microbatch_inputs(self, self.plan.microbatches)[1]
+                self.profiles[key] = (at, memory_profile.profile(self, self.plan.microbatches, recompute, offload))
+            except RuntimeError as err:
+                self.profiles[key] = (0, None)
+                self.notes.append(f"memory predicted from output sizes: {err}")
+        at, measured = self.profiles[key]
+        if measured is None:
+            return None
+        if size is None:
+            size = memory_profile.microbatch_inputs(self, microbatches or self.plan.microbatches)[1]
+        return measured if size == at else [kept.scaled(size / at) for kept in measured]
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""

@@ -23,6 +23,14 @@ from fxpipe.schedules import (
 
 DEFAULT_MICROBATCHES = 4
 FRONTENDS = ("auto", "fx", "export")
+# what a stage may keep for backward: everything, its inputs only (recompute), or the
+# outputs of its costly ops ("selective")
+RECOMPUTE = (False, True, "selective")
+
+
+def is_recompute(value: object) -> bool:
+    """Whether ``value`` is one stage's recompute choice: False, True or "selective"."""
+    return isinstance(value, bool) or value == "selective"
 
 
 class PlanError(ValueError):
@@ -61,15 +69,24 @@ class Plan:
         device per worker.
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
-    schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1" | "zb-v" (with
-        chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
+    schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1", or one of the V
+        schedules "zb-v" | "v-half" | "v-min" (with chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
         function ``(num_stages, num_microbatches)`` returning such lists. Your own is
         checked (complete, deadlock-free) before anything runs; its lists place the stages
         (worker ``w`` runs the stages in list ``w``). See docs/schedules.md.
     microbatches: the batch (dim 0) is cut into this many micro-batches; default 4, or,
         when ``schedule`` is given as lists of actions, the count those lists run.
-    chunks: stages per device: any for "interleaved-1f1b", 2 for "zb-v".
-    checkpoint: recompute each stage's activations in backward instead of keeping them.
+    chunks: stages per device: any for "interleaved-1f1b", 2 for the V schedules.
+    checkpoint: what each stage keeps for backward: False (every activation), True
+        (only its inputs; the forward runs again in backward), "selective" (the outputs of
+        matrix products, convolutions and attention; the cheap ops run again), "auto"
+        (per stage, the fastest predicted choice that fits every device's
+        ``DeviceSpec.memory``; a plan that cannot fit is a PlanError saying by how much
+        and what would fit), or a list of False / True / "selective", one per stage.
+    offload: on CUDA stages, move the tensors saved for backward to pinned host memory
+        after the forward and back before the backward, on a side stream: True, False,
+        or "auto" (the stages where the cost model finds it cheaper than recompute for
+        fitting ``DeviceSpec.memory``). CPU stages never offload (True says so, once).
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
     timeout: seconds any one action or wait may last before the step fails with an error
@@ -96,7 +113,7 @@ class Plan:
     schedule: ScheduleSpec = "1f1b"
     microbatches: int | None = None
     chunks: int = 1
-    checkpoint: bool = False
+    checkpoint: bool | str | Sequence[bool | str] = False
     device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
     data_parallel: int = 1
     timeout: float = 300.0
@@ -105,6 +122,7 @@ class Plan:
     leaf_modules: Sequence[Any] = ()
     concrete_args: Mapping[str, Any] | None = None
     output_merge: Mapping[str, str] = field(default_factory=dict)
+    offload: bool | str = False
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -134,6 +152,7 @@ class Plan:
                 check_chunks(self.schedule, self.chunks)
             except ScheduleError as err:
                 raise PlanScheduleError(f"plan.schedule = {self.schedule!r} with plan.chunks = {self.chunks}: {err}") from None
+        self._check_memory_fields()
         if self.frontend not in FRONTENDS:
             raise PlanError(f"plan.frontend = {self.frontend!r}: choose one of {', '.join(FRONTENDS)}")
         self.device_specs = {normalize_device(k, f"plan.device_specs[{k!r}]"): v for k, v in dict(self.device_specs).items()}
@@ -147,6 +166,25 @@ class Plan:
                     f"plan.output_merge[{path!r}] = {mode!r}: map output paths (strings such as '1' or 'aux') "
                     f"to one of {', '.join(MERGE_MODES)}"
                 )
+
+    def _check_memory_fields(self) -> None:
+        """``checkpoint`` and ``offload`` (a per-stage list's length is checked at compile
+        time, when the stages are known)."""
+        if isinstance(self.checkpoint, list | tuple):
+            self.checkpoint = list(self.checkpoint)
+            bad = [c for c in self.checkpoint if not is_recompute(c)]
+            if bad or not self.checkpoint:
+                raise PlanError(
+                    f"plan.checkpoint = {self.checkpoint!r}: a list gives each stage False, True or "
+                    "'selective' (one entry per stage); 'auto' applies to the whole plan"
+                )
+        elif not (is_recompute(self.checkpoint) or self.checkpoint == "auto"):
+            raise PlanError(
+                f"plan.checkpoint = {self.checkpoint!r}: use False, True, 'selective', 'auto', or a list "
+                "of False / True / 'selective' with one entry per stage"
+            )
+        if not (isinstance(self.offload, bool) or self.offload == "auto"):
+            raise PlanError(f"plan.offload = {self.offload!r}: use False, True or 'auto'")
 
     def _check_schedule(self) -> None:
         """Types only (whether a schedule runs needs the stage count: ``resolve_schedule``).

@@ -1,12 +1,13 @@
 """Pipeline schedules as data: one list of actions per worker, and the proof that it runs.
 
 A schedule is a ``list[list[Action]]``: list ``w`` is what worker ``w`` executes, in
-order. The generators below build GPipe, 1F1B, interleaved 1F1B and the zero-bubble
-schedules ZB-H1 and ZB-V; a user may write their own (``resolve_schedule`` accepts a name,
+order. The generators below build GPipe, 1F1B, interleaved 1F1B, the zero-bubble
+schedules ZB-H1 and ZB-V, and the memory-controlled V-Half and V-Min; a user may write their own (``resolve_schedule`` accepts a name,
 lists of actions or a function returning them). ``check_schedule`` proves that a list is
 complete and cannot deadlock. The simulator and both executors interpret the same lists;
 ``StageGraph`` and ``execution_order`` are the one dependency rule they all share, and the
-schedule itself says which worker runs which stage (``stage_workers``).
+schedule itself says which worker runs which stage (``stage_workers``). V-Half and V-Min
+trade step time for activation memory (``v_half``, ``v_min``).
 
 Plain Python over stage and micro-batch indices: nothing here imports torch.
 """
@@ -17,7 +18,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min")
+# the schedules that run two stages per worker in a V (chunks=2)
+V_SCHEDULES = ("zb-v", "v-half", "v-min")
 OPS = ("F", "B", "I", "W")
 
 
@@ -326,6 +329,121 @@ def zb_v(num_workers: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
+def v_half(num_workers: int, num_microbatches: int) -> Schedule:
+    """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024): ZB-V's
+    placement and I/W split, holding at most half of 1F1B's activations.
+
+    Worker ``w`` runs stages ``w`` and ``2p - 1 - w`` (a V, ``chunks=2``), and holds at most
+    ``max(p, 2)`` stage activations (a stage's micro-batch counts one from its F until its
+    W): with the two stages the halves of one 1F1B stage, ``p / 2`` micro-batches' worth,
+    half of 1F1B's peak of ``p``. The order is a modulo schedule (see ``_v_modulo``).
+    With unit-time F, I and W, 3 workers (6 stages) and 3 micro-batches (upper case: the
+    worker's earlier stage, lower case: its later one)::
+
+        tick      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29
+        worker 0  F0 .  .  .  .  f0 i0 w0 F1 .  .  .  .  f1 i1 w1 F2 I0 W0 .  .  f2 i2 w2 I1 W1 .  .  I2 W2
+        worker 1  .  F0 .  .  f0 .  .  i0 w0 F1 .  .  f1 I0 W0 i1 w1 F2 .  .  f2 I1 W1 i2 w2 .  .  I2 W2 .
+        worker 2  .  .  F0 f0 .  .  .  .  i0 w0 F1 f1 I0 W0 .  .  i1 w1 F2 f2 I1 W1 .  .  i2 w2 I2 W2 .  .
+
+    For ``p = 4`` and ``m = 8`` the step lasts 67 half-stage ticks, 1F1B's 66 (F = 2 and
+    B = 4 ticks per whole stage), with 4 stage activations held against 1F1B's 8.
+
+    Returns:
+        One action list per worker, already proven complete and deadlock-free by
+        ``check_schedule``.
+    Raises:
+        ScheduleError: if a count is below 1.
+    """
+    _check_positive(num_workers=num_workers, num_microbatches=num_microbatches)
+    return _v_modulo(num_workers, num_microbatches, max(num_workers, 2))
+
+
+def v_min(num_workers: int, num_microbatches: int) -> Schedule:
+    """V-Min (Qi et al., NeurIPS 2024): like ``v_half``, holding at most a third of 1F1B's
+    activations and paying for it in step time.
+
+    Worker ``w`` holds at most ``max(ceil(2p / 3), 2)`` stage activations (a third of
+    1F1B's ``2p`` half stages, rounded up). With unit-time F, I and W, 3 workers and 3
+    micro-batches::
+
+        tick      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33
+        worker 0  F0 .  .  .  .  f0 i0 w0 F1 .  .  .  I0 W0 .  f1 i1 w1 F2 .  .  .  I1 W1 .  f2 i2 w2 .  .  .  .  I2 W2
+        worker 1  .  F0 .  .  f0 .  .  i0 w0 F1 .  I0 W0 .  f1 .  .  i1 w1 F2 .  I1 W1 .  f2 .  .  i2 w2 .  .  I2 W2 .
+        worker 2  .  .  F0 f0 .  .  .  .  i0 w0 I0 W0 F1 f1 .  .  .  .  i1 w1 I1 W1 F2 f2 .  .  .  .  i2 w2 I2 W2 .  .
+
+    For ``p = 4`` and ``m = 8`` the step lasts 88 half-stage ticks against 1F1B's 66, with
+    3 stage activations held against 1F1B's 8.
+
+    Returns:
+        One action list per worker, already proven complete and deadlock-free by
+        ``check_schedule``.
+    Raises:
+        ScheduleError: if a count is below 1.
+    """
+    _check_positive(num_workers=num_workers, num_microbatches=num_microbatches)
+    return _v_modulo(num_workers, num_microbatches, max(-(-2 * num_workers // 3), 2))
+
+
+def _v_modulo(p: int, m: int, limit: int) -> Schedule:
+    """A V schedule of ``2p`` stages holding at most ``limit`` stage activations per worker:
+    the modulo schedule of the least period that keeps to it.
+
+    One micro-batch's actions are placed on a unit clock in the order of its data flow
+    (the forwards down and up the V, then the I's back, each W after its I), each at the
+    first tick after its prerequisite whose residue modulo the period ``T`` is still free
+    on its worker; micro-batch ``j`` repeats that pattern ``T * j`` ticks later. Every
+    worker then runs its actions in tick order. Each activation lives from its F to its W,
+    so the longer ``T``, the fewer micro-batches overlap: ``T`` grows from 6 (a worker's
+    six actions per micro-batch) until the worker holding the most stays within ``limit``.
+    """
+    period = 6
+    while True:
+        schedule = _v_pattern(p, m, period)
+        if max(_most_held(todo) for todo in schedule) <= limit:
+            check_schedule(schedule, 2 * p, m)
+            return schedule
+        period += 1
+
+
+def _v_pattern(p: int, m: int, period: int) -> Schedule:
+    """The modulo schedule of ``_v_modulo`` for one period: one action list per worker."""
+    stages = 2 * p
+    worker = [min(s, stages - 1 - s) for s in range(stages)]
+    taken: list[set[int]] = [set() for _ in range(p)]
+    tick: dict[Action, int] = {}
+
+    def place(action: Action, earliest: int) -> int:
+        w = worker[action.stage]
+        t = earliest
+        while t % period in taken[w]:
+            t += 1
+        taken[w].add(t % period)
+        tick[action] = t
+        return t
+
+    t = -1
+    for s in range(stages):
+        t = place(Action("F", s, 0), t + 1)
+    for s in reversed(range(stages)):
+        t = place(Action("I", s, 0), t + 1)
+        place(Action("W", s, 0), t + 1)
+    timed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    for action, start in tick.items():
+        for j in range(m):
+            timed[worker[action.stage]].append((start + period * j, Action(action.op, action.stage, j)))
+    return [[action for _, action in sorted(todo, key=lambda item: item[0])] for todo in timed]
+
+
+def _most_held(todo: Sequence[Action]) -> int:
+    """The most stage activations a worker running ``todo`` holds: each from its F to its W
+    (or B)."""
+    held = most = 0
+    for action in todo:
+        held += 1 if action.op == "F" else -1 if action.op in ("B", "W") else 0
+        most = max(most, held)
+    return most
+
+
 class StageGraph:
     """Which stages feed which: the dependency rule every interpreter of a schedule obeys.
 
@@ -581,12 +699,13 @@ def _check_divisible(num_stages: int, chunks: int) -> None:
 
 
 _ONE_STAGE_PER_WORKER = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+_V_SHAPED = {"zb-v": zb_v, "v-half": v_half, "v-min": v_min}
 
 
 def check_chunks(name: str, chunks: int) -> None:
     """The one rule for how many stages a worker holds under the schedule called ``name``:
-    one for "gpipe", "1f1b" and "zb-h1", two for "zb-v" (in a V), any number for
-    "interleaved-1f1b".
+    one for "gpipe", "1f1b" and "zb-h1", two for "zb-v", "v-half" and "v-min" (in a V),
+    any number for "interleaved-1f1b".
 
     Raises:
         ScheduleError: naming the schedule, the ``chunks`` it got and what to set instead.
@@ -594,12 +713,12 @@ def check_chunks(name: str, chunks: int) -> None:
     if name in _ONE_STAGE_PER_WORKER and chunks != 1:
         raise ScheduleError(
             f"schedule {name!r} runs one stage per worker, got chunks={chunks}; use "
-            "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v' (chunks=2) "
-            "for several stages per worker"
+            "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v', 'v-half' or "
+            "'v-min' (chunks=2) for several stages per worker"
         )
-    if name == "zb-v" and chunks != 2:
+    if name in V_SCHEDULES and chunks != 2:
         raise ScheduleError(
-            f"schedule 'zb-v' runs two stages per worker, got chunks={chunks}; set chunks=2 "
+            f"schedule {name!r} runs two stages per worker, got chunks={chunks}; set chunks=2 "
             "(two stages per device, in a V) and use an even number of stages"
         )
 
@@ -609,7 +728,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
 
     ``num_stages`` counts all stages. "gpipe", "1f1b" and "zb-h1" give each stage its own
     worker (``chunks=1``); "interleaved-1f1b" spreads them over ``num_stages // chunks``
-    workers; "zb-v" needs ``chunks=2`` (two stages per worker, in a V).
+    workers; "zb-v", "v-half" and "v-min" need ``chunks=2`` (two stages per worker, in a V).
 
     Returns:
         One action list per worker.
@@ -628,8 +747,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
     if name in _ONE_STAGE_PER_WORKER:
         return _ONE_STAGE_PER_WORKER[name](num_stages, num_microbatches)
     _check_divisible(num_stages, chunks)
-    if name == "zb-v":
-        return zb_v(num_stages // 2, num_microbatches)
+    if name in _V_SHAPED:
+        return _V_SHAPED[name](num_stages // 2, num_microbatches)
     return interleaved_1f1b(num_stages // chunks, num_microbatches, chunks)
 
 

@@ -23,7 +23,9 @@ class Stage:
     output order), ``mutated_inputs`` (argument positions its forward writes in place),
     ``extra_inputs`` (the roles of the trailing arguments compiler passes added: "rng_seed",
     "weight_grads") and ``buffers_written`` (buffers its forward updates in place, by name:
-    a checkpoint recompute restores them).
+    a checkpoint recompute restores them); ``recompute`` (what it keeps for backward:
+    False, True or "selective", as ``Plan.checkpoint`` resolves for it) and ``offload``
+    (its saved tensors go to host memory between forward and backward).
     """
 
     index: int
@@ -39,6 +41,8 @@ class Stage:
     mutated_inputs: frozenset[int] = frozenset()
     extra_inputs: tuple[str, ...] = ()
     buffers_written: tuple[str, ...] = ()
+    recompute: bool | str = False
+    offload: bool = False
 
     @property
     def num_nodes(self) -> int:

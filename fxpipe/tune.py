@@ -7,7 +7,9 @@ candidate schedule and micro-batch count, pairs whose predicted peak memory does
 device are dropped, and the few best predicted pairs are run and timed for real. Fewer
 micro-batches leave a bigger pipeline bubble; more pay the fixed per-op and per-action
 costs more often on smaller kernels, so the curve is U-shaped and its bottom is the answer;
-schedules differ in their bubble and in how many micro-batches they keep in memory.
+schedules differ in their bubble and in how many micro-batches they keep in memory. Under
+``checkpoint="auto"`` (or ``offload="auto"``) each pair gets its own per-stage choice
+(``fxpipe.memory_plan``), so the sweep searches over recompute too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from fxpipe.compiler import partition
 from fxpipe.cost_model import spec_for
 from fxpipe.factory import build_pipeline
+from fxpipe.memory_plan import with_memory_plan
 from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError, PlanScheduleError
 from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_schedule
@@ -33,7 +36,8 @@ from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_sc
 @dataclass
 class TunePoint:
     """One (schedule, micro-batch count) of the sweep: predicted step seconds and peak bytes
-    on the fullest device, whether that fits, and the measured step seconds when it was run."""
+    on the fullest device, whether that fits, the measured step seconds when it was run,
+    and what each stage recomputes (chosen per point under ``checkpoint="auto"``)."""
 
     microbatches: int
     predicted_step: float
@@ -41,6 +45,7 @@ class TunePoint:
     fits: bool
     measured_step: float | None = None
     schedule: ScheduleSpec = "1f1b"
+    recompute: tuple = ()
 
 
 def _batch_size(example_inputs: tuple) -> int:
@@ -118,10 +123,12 @@ def sweep(
             # the split that was partitioned, under another schedule and count (split="auto"
             # would otherwise re-split for each, and the measurement would not be of the prediction)
             at = _under(part, spec, m)
+            planned = _memory_planned(at)
+            at = planned or at
             estimates = at.estimates()
             memory = max(e.memory for e in estimates)
-            fits = all(e.memory <= limit for e, limit in zip(estimates, limits))
-            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=spec))
+            fits = all(e.memory <= limit for e, limit in zip(estimates, limits)) and (planned is not None or not _plans_memory(plan))
+            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=spec, recompute=tuple(st.recompute for st in at.stages)))
             runs[id(points[-1])] = at
     if isinstance(measure, int):
         ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
@@ -135,6 +142,22 @@ def sweep(
             pipe = build_pipeline(runs[id(point)], model, loss_fn)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
+
+
+def _plans_memory(plan: Plan) -> bool:
+    return plan.checkpoint == "auto" or plan.offload == "auto"
+
+
+def _memory_planned(part: Any) -> Any:
+    """``part`` with each stage's recompute and offload chosen for its schedule and count
+    when the plan says "auto" (``fxpipe.memory_plan``); None when nothing fits or the plan
+    states them."""
+    if not _plans_memory(part.plan):
+        return None
+    try:
+        return with_memory_plan(part)
+    except PlanError:
+        return None
 
 
 def _runnable_schedules(part: Any, plan: Plan) -> list[ScheduleSpec]:

@@ -66,8 +66,23 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor | None) -> tuple:
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
 
 
-def _defer(ctx: Any, work: Callable[[], None]) -> None:
-    """Run ``work`` now (no store: a plain "B") or append it to the store for "W".
+class Deferred:
+    """A weight-gradient computation left for "W": call it to run it. ``holds``: the
+    tensors it keeps until then (what memory accounting counts between I and W)."""
+
+    __slots__ = ("work", "holds")
+
+    def __init__(self, work: Callable[[], None], holds: tuple[torch.Tensor, ...]) -> None:
+        self.work = work
+        self.holds = holds
+
+    def __call__(self) -> None:
+        self.work()
+
+
+def _defer(ctx: Any, work: Callable[[], None], *holds: torch.Tensor) -> None:
+    """Run ``work`` now (no store: a plain "B") or append it to the store for "W", with the
+    tensors it holds.
 
     The Function lets go of the store, and ``work`` must only hold detached tensors: a
     tensor with its ``grad_fn`` would close a cycle (store -> work -> tensor -> autograd
@@ -78,7 +93,7 @@ def _defer(ctx: Any, work: Callable[[], None]) -> None:
     if store is None:
         work()
     else:
-        store.append(work)
+        store.append(Deferred(work, holds))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -111,7 +126,7 @@ class _Linear(torch.autograd.Function):
             if bias is not None and bias.requires_grad:
                 accumulate(bias, _rows(grad).sum(0))
 
-        _defer(ctx, weights)
+        _defer(ctx, weights, x, grad)
         return gx, None, None, None
 
 
@@ -142,7 +157,7 @@ class _MatmulRight(torch.autograd.Function):
                 g = _rows(grad).sum(0) if bias.dim() == 1 else grad
                 accumulate(bias, g)
 
-        _defer(ctx, weights)
+        _defer(ctx, weights, x, grad)
         return gx, None, None, None
 
 
@@ -180,7 +195,7 @@ class _Convolution(torch.autograd.Function):
             if want_b:
                 accumulate(bias, gb)
 
-        _defer(ctx, weights)
+        _defer(ctx, weights, x, grad)
         return (gx,) + (None,) * 9
 
 
@@ -205,7 +220,7 @@ class _Embedding(torch.autograd.Function):
         def weights() -> None:
             accumulate(weight, aten.embedding_dense_backward(grad, indices, weight.shape[0], padding_idx, scale))
 
-        _defer(ctx, weights)
+        _defer(ctx, weights, indices, grad)
         return None, None, None, None, None
 
 

@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "examples" / "benchmarks"
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -38,3 +38,14 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out
     assert "i64[*, 16]" in out and "i64[*, 32]" in out, out  # both signatures held
+
+
+@pytest.mark.timeout(300)
+def test_memory_benchmark_prints_predicted_against_measured_the_cap_and_the_v_ratios() -> None:
+    out = run("memory.py", "--quick")
+    worst = re.search(r"worst peak error (\d+\.\d)%, worst activations error (\d+\.\d)% over (\d+) stages", out)
+    assert worst and float(worst.group(1)) <= 15 and int(worst.group(3)) == 12, out
+    assert re.search(r"auto chose: stage 0 (True|selective)", out), out
+    assert re.search(r"checkpoint=True / auto step time: \d+\.\d\dx", out), out
+    assert re.search(r"auto\s+\S+ ms\s+.*fits", out) and re.search(r"False\s+\S+ ms\s+.*EXCEEDS", out), out
+    assert re.search(r"v-half/1f1b 0\.\d{3}x \(goal <= 0.55x\), v-min/1f1b 0\.\d{3}x", out), out

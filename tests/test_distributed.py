@@ -365,7 +365,7 @@ def chain_messages(schedule: str, num_stages: int, m: int, chunks: int = 1) -> d
 
 @pytest.mark.parametrize(
     "schedule,stages,chunks",
-    [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 6, 3), ("interleaved-1f1b", 8, 2), ("zb-h1", 4, 1), ("zb-v", 4, 2), ("zb-v", 8, 2)],
+    [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 6, 3), ("interleaved-1f1b", 8, 2), ("zb-h1", 4, 1), ("zb-v", 4, 2), ("zb-v", 8, 2), ("v-half", 8, 2), ("v-min", 8, 2)],
 )
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_fused_send_recv_groups_cannot_deadlock_under_nccl_ordering(schedule: str, stages: int, chunks: int, m: int) -> None:

@@ -26,6 +26,8 @@ from fxpipe.schedules import (
     one_f_one_b,
     resolve_schedule,
     stage_workers,
+    v_half,
+    v_min,
     zb_h1,
     zb_v,
 )
@@ -47,13 +49,13 @@ def W(stage: int, microbatch: int) -> Action:
     return Action("W", stage, microbatch)
 
 
-CHUNKS = {"interleaved-1f1b": (1, 2, 3, 4), "zb-v": (2,)}
+CHUNKS = {"interleaved-1f1b": (1, 2, 3, 4), "zb-v": (2,), "v-half": (2,), "v-min": (2,)}
 
 
 def placement(name: str, stages: int, chunks: int) -> list[int]:
     """Where each built-in schedule puts stage s, as documented."""
     workers = stages // chunks
-    if name == "zb-v":
+    if name in ("zb-v", "v-half", "v-min"):
         return [min(s, stages - 1 - s) for s in range(stages)]
     return [s % workers for s in range(stages)]
 
@@ -82,7 +84,7 @@ def test_every_generated_schedule_is_complete_deadlock_free_placed_as_documented
     timeline = unit_timeline(actions, stages)
     ran = sorted((e.op, e.stage, e.microbatch) for e in timeline.events)
     assert ran == sorted((a.op, a.stage, a.microbatch) for todo in actions for a in todo)
-    backward = "IW" if name.startswith("zb") else "B"
+    backward = "IW" if name.startswith(("zb", "v-")) else "B"
     expected = {(op, s, m) for op in "F" + backward for s in range(stages) for m in range(microbatches)}
     assert set(ran) == expected and len(ran) == len(expected)
 
@@ -249,6 +251,30 @@ def test_zb_v_holds_at_most_1f1b_peak_in_half_stages(workers):
         assert max(held.values()) <= 2 * max(reference.values()) <= 2 * workers, (microbatches, held)
 
 
+@pytest.mark.parametrize(("generator", "limit"), [(v_half, lambda p: max(p, 2)), (v_min, lambda p: max(-(-2 * p // 3), 2))])
+@pytest.mark.parametrize("workers", range(1, 9))
+def test_v_half_and_v_min_hold_at_most_their_share_of_1f1b_peak_in_half_stages(generator, limit, workers):
+    for microbatches in (1, 2, workers, 2 * workers + 1, 3 * workers):
+        actions = generator(workers, microbatches)
+        check_schedule(actions, 2 * workers, microbatches)
+        assert stage_workers(actions) == [min(s, 2 * workers - 1 - s) for s in range(2 * workers)]
+        held = unit_timeline(actions, 2 * workers).peak_in_flight("worker")
+        assert max(held.values()) <= limit(workers), (microbatches, held)
+
+
+def test_v_half_and_v_min_at_p4_m8_hold_half_and_three_eighths_of_1f1b():
+    """The issue's goal (<= 0.55x and <= 0.40x of 1F1B's peak), counted on the schedules:
+    1F1B's worker 0 holds 4 whole-stage micro-batches, 8 half stages."""
+    reference = simulate(one_f_one_b(4, 8), 4, 2.0, 4.0)
+    one_f_one_b_halves = 2 * max(reference.peak_in_flight("worker").values())
+    figures = {}
+    for name in ("v-half", "v-min", "zb-v"):
+        timeline = unit_timeline(make_schedule(name, 8, 8, chunks=2), 8)
+        figures[name] = (max(timeline.peak_in_flight("worker").values()) / one_f_one_b_halves, timeline.step_time)
+    assert figures == {"v-half": (0.5, 67.0), "v-min": (0.375, 88.0), "zb-v": (1.0, 51.0)}
+    assert reference.step_time == 66.0
+
+
 def _tick_table(actions, stages) -> str:
     """The docstring tables' format: unit F, I, W; upper case for a worker's first stage."""
     timeline = unit_timeline(actions, stages)
@@ -263,7 +289,7 @@ def _tick_table(actions, stages) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-@pytest.mark.parametrize(("generator", "args", "stages"), [(zb_h1, (3, 5), 3), (zb_v, (2, 4), 4)])
+@pytest.mark.parametrize(("generator", "args", "stages"), [(zb_h1, (3, 5), 3), (zb_v, (2, 4), 4), (v_half, (3, 3), 6), (v_min, (3, 3), 6)])
 def test_zero_bubble_docstring_tables_are_what_the_simulator_plays(generator, args, stages):
     table = _tick_table(generator(*args), stages)
     docstring = "\n".join(line.strip() for line in generator.__doc__.splitlines())
@@ -273,7 +299,9 @@ def test_zero_bubble_docstring_tables_are_what_the_simulator_plays(generator, ar
 def test_make_schedule_builds_the_zero_bubble_schedules():
     assert make_schedule("zb-h1", 4, 6) == zb_h1(4, 6)
     assert make_schedule("zb-v", 6, 7, chunks=2) == zb_v(3, 7)
-    assert {"zb-h1", "zb-v"} <= set(SCHEDULES)
+    assert make_schedule("v-half", 6, 7, chunks=2) == v_half(3, 7)
+    assert make_schedule("v-min", 6, 7, chunks=2) == v_min(3, 7)
+    assert {"zb-h1", "zb-v", "v-half", "v-min"} <= set(SCHEDULES)
 
 
 def test_make_schedule_asks_zb_v_for_two_chunks_and_an_even_stage_count():
@@ -281,7 +309,9 @@ def test_make_schedule_asks_zb_v_for_two_chunks_and_an_even_stage_count():
         make_schedule("zb-v", 4, 8)
     with pytest.raises(ScheduleError, match="divisible by chunks=2"):
         make_schedule("zb-v", 5, 8, chunks=2)
-    with pytest.raises(ScheduleError, match="'zb-h1' runs one stage per worker.*'zb-v' \\(chunks=2\\)"):
+    with pytest.raises(ScheduleError, match="'v-min' runs two stages per worker, got chunks=3"):
+        make_schedule("v-min", 6, 8, chunks=3)
+    with pytest.raises(ScheduleError, match="'zb-h1' runs one stage per worker.*'v-min' \\(chunks=2\\)"):
         make_schedule("zb-h1", 4, 8, chunks=2)
 
 
@@ -298,7 +328,7 @@ def test_interleaved_rejects_counts_below_one(args, message):
         interleaved_1f1b(*args)
 
 
-@pytest.mark.parametrize("generator", [zb_h1, zb_v])
+@pytest.mark.parametrize("generator", [zb_h1, zb_v, v_half, v_min])
 def test_zero_bubble_generators_reject_counts_below_one(generator):
     with pytest.raises(ScheduleError, match="num_microbatches must be at least 1, got 0"):
         generator(2, 0)
@@ -308,7 +338,7 @@ def test_zero_bubble_generators_reject_counts_below_one(generator):
 
 def test_make_schedule_names_the_valid_schedules_for_an_unknown_name():
     with pytest.raises(
-        ScheduleError, match="'pipedream'; choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v"
+        ScheduleError, match="'pipedream'; choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, v-half, v-min"
     ):
         make_schedule("pipedream", 4, 8)
 
@@ -602,13 +632,14 @@ def test_plan_takes_a_callable_and_keeps_the_default_microbatch_count():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"schedule": "zigzag"}, "plan.schedule = 'zigzag': choose one of .*zb-h1, zb-v, or write your own"),
+        ({"schedule": "zigzag"}, "plan.schedule = 'zigzag': choose one of .*zb-h1, zb-v, v-half, v-min, or write your own"),
         ({"schedule": 3}, "plan.schedule must be a list holding one list of fxpipe.Action per worker, got int"),
         ({"schedule": [[F(0, 0), "B0:0"]]}, r"plan.schedule\[0\]\[1\] is 'B0:0', not an fxpipe.Action"),
         ({"schedule": [[F(0, 0), B(0, 0)]], "microbatches": 2}, "plan.microbatches = 2, but plan.schedule runs 1 micro-batches"),
         ({"schedule": "zb-v"}, "'zb-v' runs two stages per worker, got chunks=1; set chunks=2 \\(two stages per device, in a V\\)"),
         ({"schedule": "zb-v", "chunks": 3}, "got chunks=3; set chunks=2"),
         ({"schedule": "zb-h1", "chunks": 2}, "plan.chunks = 2: .*schedule 'interleaved-1f1b' \\(any chunks\\) or 'zb-v'"),
+        ({"schedule": "v-half"}, "'v-half' runs two stages per worker, got chunks=1; set chunks=2 \\(two stages per device, in a V\\)"),
     ],
 )
 def test_plan_rejects_schedule_fields_of_the_wrong_kind_with_the_fix(fields, message):
@@ -634,6 +665,8 @@ def test_docs_tables_are_what_the_generators_play():
     text = DOC.read_text()
     assert _tick_table(zb_h1(4, 8), 4) in text
     assert _tick_table(zb_v(2, 4), 4) in text
+    assert _tick_table(v_half(3, 3), 6) in text
+    assert _tick_table(v_min(3, 3), 6) in text
 
 
 def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
@@ -643,7 +676,7 @@ def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
         if "fxpipe.compile" not in block:
             exec(compile(block, str(DOC), "exec"), namespace)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(printed) == 1 + 3 + 5
+    assert len(printed) == 1 + 3 + 7
     for line in printed:
         assert f"# {line}" in text, line
 

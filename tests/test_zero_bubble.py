@@ -45,26 +45,33 @@ def _data(n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 SPLIT4 = ["blocks.1", "blocks.3", "blocks.5"]
+SPLIT8 = ["conv", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5"]
+V_SHAPED = ("zb-v", "v-half", "v-min")
 
 
-def zb_plan(schedule: str, m: int, **extra) -> dict:
-    if schedule == "zb-v":
-        return dict(devices=["cpu:0", "cpu:1"], split=SPLIT4, schedule="zb-v", chunks=2, microbatches=m, **extra)
+def zb_plan(schedule: str, m: int, workers: int = 2, **extra) -> dict:
+    """ZB-H1 on 4 devices; a V schedule on ``workers`` devices (2: 4 stages, 4: 8 stages)."""
+    if schedule in V_SHAPED:
+        split = SPLIT4 if workers == 2 else SPLIT8
+        return dict(devices=[f"cpu:{k}" for k in range(workers)], split=split, schedule=schedule, chunks=2, microbatches=m, **extra)
     return dict(devices=[f"cpu:{k}" for k in range(4)], split=SPLIT4, schedule=schedule, microbatches=m, **extra)
 
 
-# every schedule x count x checkpoint under fx; export's graphs (aten ops) at two counts
-CASES = [(s, m, c, "fx") for s in ("zb-h1", "zb-v") for m in (1, 3, 4, 8) for c in (False, True)]
-CASES += [(s, m, c, "export") for s in ("zb-h1", "zb-v") for m in (4, 8) for c in (False, True)]
+# every schedule x count x checkpoint under fx; export's graphs (aten ops) at two counts;
+# the memory-controlled V schedules on 2 and 4 workers
+CASES = [(s, m, c, "fx", 2) for s in ("zb-h1", "zb-v") for m in (1, 3, 4, 8) for c in (False, True)]
+CASES += [(s, m, c, "export", 2) for s in ("zb-h1", "zb-v") for m in (4, 8) for c in (False, True)]
+CASES += [(s, m, c, "fx", w) for s in ("v-half", "v-min") for m, c, w in ((1, False, 2), (5, False, 2), (8, True, 2), (8, False, 4))]
 
 
-@pytest.mark.parametrize("schedule,m,checkpoint,frontend", CASES)
-def test_zero_bubble_schedules_match_eager_locally(schedule: str, m: int, checkpoint: bool, frontend: str) -> None:
+@pytest.mark.parametrize("schedule,m,checkpoint,frontend,workers", CASES)
+def test_zero_bubble_schedules_match_eager_locally(schedule: str, m: int, checkpoint: bool, frontend: str, workers: int) -> None:
     torch.manual_seed(0)
     model = Mixed().double()
     ids, t = _data(10 if m <= 4 else 16)
     ref = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, zb_plan(schedule, m, checkpoint=checkpoint, frontend=frontend), example_inputs=(ids,), loss_fn=CE)
+    plan = zb_plan(schedule, m, workers, checkpoint=checkpoint, frontend=frontend)
+    pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
     assert any("weight_grads" in s.extra_inputs for s in pipe.stages)  # the I/W split is in effect
     loss = pipe.step(ids, target=t)
     torch.testing.assert_close(loss, eager_microbatch_step(ref, (ids,), t, CE, m), rtol=1e-12, atol=1e-12)
@@ -109,8 +116,9 @@ def test_a_deadlocking_custom_schedule_is_rejected_before_anything_runs() -> Non
 
 
 # ---------------------------------------------------------------- distributed
-def zb_rank_cases(cases: list[tuple[str, int, bool, int]]) -> dict:
-    """Each case: (schedule, micro-batches, checkpoint, data_parallel); errors against eager."""
+def zb_rank_cases(cases: list[tuple[str, int, bool, int]], workers: int = 2) -> dict:
+    """Each case: (schedule, micro-batches, checkpoint, data_parallel); errors against eager.
+    ``workers``: the world size, the devices of a V schedule."""
     out = {}
     for schedule, m, checkpoint, dp in cases:
         torch.manual_seed(0)
@@ -118,7 +126,7 @@ def zb_rank_cases(cases: list[tuple[str, int, bool, int]]) -> dict:
         ids, t = _data(10 if m <= 4 else 16)
         ref = copy.deepcopy(model)
         eager_loss = eager_microbatch_step(ref, (ids,), t, CE, m * dp if dp > 1 else m)
-        plan = zb_plan(schedule, m, checkpoint=checkpoint, data_parallel=dp)
+        plan = zb_plan(schedule, m, workers, checkpoint=checkpoint, data_parallel=dp)
         if dp > 1:  # 2 stages per replica
             plan.update(devices=["cpu:0", "cpu:1"], split=["blocks.3"])
         pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
@@ -130,16 +138,18 @@ def zb_rank_cases(cases: list[tuple[str, int, bool, int]]) -> dict:
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
-def test_zero_bubble_matches_eager_on_two_gloo_ranks() -> None:
+def test_zero_bubble_and_v_schedules_match_eager_on_two_gloo_ranks() -> None:
     cases = [("zb-v", 1, False, 1), ("zb-v", 3, False, 1), ("zb-v", 4, True, 1), ("zb-v", 8, False, 1)]
+    cases += [("v-half", 5, False, 1), ("v-min", 8, True, 1)]
     for errors in launch(zb_rank_cases, 2, (cases,), timeout=LAUNCH_TIMEOUT):
         for case, (loss_err, grad_err) in errors.items():
             assert loss_err < 1e-12 and grad_err < 1e-10, (case, loss_err, grad_err)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
-def test_zero_bubble_matches_eager_on_four_gloo_ranks_with_checkpoint_and_data_parallelism() -> None:
+def test_zero_bubble_and_v_schedules_match_eager_on_four_gloo_ranks_with_checkpoint_and_data_parallelism() -> None:
     cases = [("zb-h1", 1, False, 1), ("zb-h1", 4, True, 1), ("zb-h1", 8, False, 1), ("zb-h1", 2, False, 2)]
-    for errors in launch(zb_rank_cases, 4, (cases,), timeout=LAUNCH_TIMEOUT):
+    cases += [("v-half", 8, False, 1), ("v-min", 8, False, 1)]
+    for errors in launch(zb_rank_cases, 4, (cases, 4), timeout=LAUNCH_TIMEOUT):
         for case, (loss_err, grad_err) in errors.items():
             assert loss_err < 1e-12 and grad_err < 1e-10, (case, loss_err, grad_err)

@@ -32,7 +32,8 @@ from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
-from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program, make_runner
+from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program
+from fxpipe.runtime.runner import make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
 from fxpipe.timeline import Timeline

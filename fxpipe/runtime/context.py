@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fxpipe.runtime.memory import StepMemory
+
 AUTOCAST_DEVICES = ("cpu", "cuda")
 _NOTHING = contextlib.nullcontext()
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive micro-batches' seeds far apart
@@ -79,6 +81,7 @@ class StepContext:
     has random ops; every random op draws from (step_seed, global micro-batch index, op).
     last_stage_scaling(i): the context of micro-batch i's last-stage forward when the model
     computes its own loss (see :meth:`loss_scaling`).
+    memory: what a training step's stages keep for backward, measured as they run.
     """
 
     train: bool
@@ -88,10 +91,11 @@ class StepContext:
     microbatch_base: int = 0
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple[int, int], tuple[list, Any, list | None]] = field(default_factory=dict)
+    saved: dict[tuple[int, int], tuple[list, Any, list | None, Any]] = field(default_factory=dict)
     deferred: dict[tuple[int, int], list] = field(default_factory=dict)
     step_seed: int = 0
     last_stage_scaling: Callable[[int], contextlib.AbstractContextManager] | None = None
+    memory: StepMemory | None = None
 
     def loss_scaling(self, i: int) -> contextlib.AbstractContextManager:
         """The context the last stage computes micro-batch ``i`` in: a model's own loss

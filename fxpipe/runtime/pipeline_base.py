@@ -22,11 +22,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe import loss_scale, microbatch
+from fxpipe.memory_report import MemoryReport, memory_report
 from fxpipe.placement import skeleton
-from fxpipe.plan import Plan
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import ActionHook
+from fxpipe.runtime.memory import StepMemory
 from fxpipe.runtime.runner import StageRunner
+from fxpipe.schedules import describe_schedule
 from fxpipe.views import PipelineViews
 
 
@@ -116,28 +118,6 @@ class Batch:
             torch.autograd.backward(tensors, grads)
 
 
-def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, plan: Plan) -> StageRunner:
-    """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``,
-    run as ``plan`` says (checkpointing, finiteness checks)."""
-    edges = zip(list(stage.recv_ids) + list(stage.send_ids), list(stage.inputs) + list(stage.outputs))
-    return StageRunner(
-        index=stage.index,
-        module=module,
-        device=device,
-        num_model_inputs=len(stage.model_inputs),
-        recv=list(stage.recv_ids),
-        send=list(stage.send_ids),
-        is_last=stage.index == num_stages - 1,
-        mutated_inputs=stage.mutated_inputs,
-        buffers_written=[_owner(module, name) for name in stage.buffers_written],
-        name=stage.device,
-        checkpoint=plan.checkpoint,
-        extra_inputs=tuple(stage.extra_inputs),
-        check_finite=plan.check_finite,
-        edge_names={k: f"edge {k} ({e.name!r}, stage {e.src} -> stage {e.dst})" for k, e in edges},
-    )
-
-
 def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Exception:
     """``err`` (a failed trace for a new input signature) with what differs from the
     compiled signature in front, and the fix for a left-out argument."""
@@ -160,12 +140,6 @@ def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Excepti
         return err
     wrapped.__dict__.update(err.__dict__)
     return wrapped
-
-
-def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """(the submodule holding buffer ``name``, its attribute name)."""
-    path, _, attr = name.rpartition(".")
-    return module.get_submodule(path), attr
 
 
 class PipelineBase(PipelineViews):
@@ -200,6 +174,8 @@ class PipelineBase(PipelineViews):
         self._last_events: list = []
         # called around every action this process runs (see fxpipe.runtime.interpret.ActionHook)
         self.action_hooks: list[ActionHook] = []
+        self._last_memory: tuple | None = None  # the last measured step's (Partitioned, micro-batch sizes, StepMemory, modules)
+        self._measured: set[tuple[int, int]] = set()  # (program, micro-batch count) measured already
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
     # ------------------------------------------------------------------ running
@@ -238,10 +214,27 @@ class PipelineBase(PipelineViews):
         ]
 
     def summary(self) -> str:
-        """The partition's table, and the input signatures compiled so far."""
+        """The partition's table, the input signatures compiled so far, and once a training
+        step has run, its memory per stage, predicted against measured."""
         lines = [self.part.summary(), f"signatures compiled: {len(self._programs)}"]
         lines += [f"  {k}: {sig}" for k, sig in enumerate(self.signatures)]
+        if self._last_memory is not None:
+            lines.append(str(self.memory()))
         return "\n".join(lines)
+
+    def memory(self) -> MemoryReport:
+        """The memory of the last measured training step on this process, one row per
+        stage it runs: ``.parameters``, ``.gradients``, ``.buffers``,
+        ``.activations_peak`` (measured), ``.predicted_peak`` and ``.measured_peak`` in
+        bytes, and on CUDA the allocator's peak; ``print`` it for a table (see
+        ``fxpipe.memory_report``). A step is measured the first time each input
+        signature runs with each micro-batch count (its memory repeats after that, and
+        measuring costs a hook per saved tensor). Raises RuntimeError before the first
+        training step."""
+        if self._last_memory is None:
+            raise RuntimeError("no training step has run yet: call pipe.step(...) first, then pipe.memory()")
+        part, sizes, step, modules = self._last_memory
+        return memory_report(part, sizes, step, modules, describe_schedule(self.plan.schedule))
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism),
@@ -297,8 +290,17 @@ class PipelineBase(PipelineViews):
         ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first, random=self._random)
         if scaling is not None:
             ctx.last_stage_scaling = lambda i: scaling(batch.sizes[i])
+        runners = batch.program.runners
+        # a step's memory repeats (the same code on the same shapes in the same order): it is
+        # measured in the first step of each signature and micro-batch count only
+        measured = (id(batch.program), len(batch.inputs))
+        ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
+        if ctx.memory.measured:
+            self._measured.add(measured)
+            modules = {s: r.module for s, r in runners.items()}
+            self._last_memory = (batch.program.part, batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)
         return self._step_loss(ctx)
 
     def _holds_last(self) -> bool:

@@ -7,12 +7,19 @@ everything about running a stage once:
 - the stage boundary: received values become fresh autograd leaves (``detach``), so each
   stage's backward is its own autograd call; the model's own inputs (stage 0) are used as
   given (the pipeline made each micro-batch piece that needs a gradient a leaf already);
+  in a training step a stage hands on detached values and keeps its outputs only as
+  handles into its autograd graph, their memory released (the consumers hold the values);
 - inputs the stage writes into in place are copied first (a leaf cannot be mutated);
 - the caller's grad mode and autocast state (worker threads do not inherit them);
 - the loss of the last stage;
 - checkpointing: the forward runs without autograd and is recomputed in backward on
   copies of the buffers it updates (BatchNorm running statistics), so they change once
-  per micro-batch as in eager;
+  per micro-batch as in eager; ``checkpoint="selective"`` keeps the costly ops' outputs
+  and recomputes only the rest (:mod:`~fxpipe.runtime.recompute`); ``offload`` sends
+  the saved activations of a CUDA stage to host memory until the backward
+  (:mod:`~fxpipe.runtime.offload`);
+- what it keeps for backward, measured in a training step (:mod:`~fxpipe.runtime.memory`):
+  autograd's saved tensors, the inputs and outputs it holds, what a deferred W holds;
 - ``Plan(check_finite=True)``: every floating value it hands on, and every loss, is
   checked for NaN and Inf (:mod:`~fxpipe.runtime.finite`);
 - the stage's extra arguments, named by role at compile time: ``rng_seed`` (what the
@@ -36,9 +43,13 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
 from fxpipe.runtime import finite
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.memory import StageMemory, storages
+from fxpipe.runtime.offload import Offload
+from fxpipe.runtime.recompute import SelectiveRecompute
 from fxpipe.runtime.streams import carries_grad, leaves, move, wants_grad
 
 Grads = list[torch.Tensor | None]
@@ -54,7 +65,9 @@ class StageRunner:
     name: the logical device ("cpu:1") shown in timelines; extra_inputs: the roles of the
     stage's trailing arguments ("rng_seed", "weight_grads"), in order; check_finite: raise
     NonFiniteError on the first NaN/Inf handed on; edge_names: how messages name each
-    edge id.
+    edge id; checkpoint: False (keep the activations), True (recompute the forward in
+    backward) or "selective" (keep the costly ops' outputs, recompute the rest); offload:
+    where saved activations wait for the backward in host memory (CUDA stages).
     """
 
     index: int
@@ -67,36 +80,64 @@ class StageRunner:
     mutated_inputs: frozenset[int] = frozenset()
     buffers_written: Sequence[tuple[torch.nn.Module, str]] = field(default_factory=list)
     name: str = ""
-    checkpoint: bool = False
+    checkpoint: bool | str = False
     extra_inputs: tuple[str, ...] = ()
     check_finite: bool = False
     edge_names: dict[int, str] = field(default_factory=dict)
+    offload: Offload | None = None
+    # per output leaf, whether its memory may go once sent (learnt in a measured step)
+    _releasable: list[bool] | None = field(default=None, init=False, repr=False)
 
     def forward(self, i: int, model_inputs: Sequence[Any], received: Sequence[Any], ctx: StepContext) -> list[Any]:
         """Run micro-batch ``i``; return the values for the send edges (``[]`` for the last
         stage, whose output and loss go into ``ctx``)."""
-        recompute = ctx.train and self.checkpoint
+        recompute = ctx.train and bool(self.checkpoint)
         args = [move(v, self.device, detach=False) for v in model_inputs]
         args += [move(v, self.device, detach=ctx.train) for v in received]
         store: list | None = [] if "weight_grads" in self.extra_inputs else None
         args += self._extras(i, ctx, store)
-        with torch.set_grad_enabled(ctx.grad_enabled and not recompute), ctx.autocast.applied():
-            out = self._call(args, ctx, i)
-            if self.is_last and ctx.train and ctx.loss_of is not None and not recompute:
-                ctx.losses[i] = ctx.loss_of(i, out)
+        selective = SelectiveRecompute() if recompute and self.checkpoint == "selective" else None
+        memory = self.memory_of(ctx)
+        out = self._forward(i, args, ctx, recompute, selective, memory)
         if self.is_last:
             ctx.outputs[i] = _detached(out) if ctx.train else out
         if self.check_finite:
             self._check_forward(i, out, ctx)
+        handed = list(out) if not self.is_last else []
         if ctx.train:
-            ctx.saved[(self.index, i)] = (args, None if self.is_last and not recompute else out, store)
-        if self.is_last:
-            return []
-        if recompute and wants_grad(self.module, args):
+            # a recomputed stage makes its outputs again in backward: only its inputs wait
+            kept = None if self.is_last or recompute else out
+            if kept is not None and memory is not None:
+                self._releasable = _releasable(kept, memory.saved_storages(i))
+            if kept is not None and self._releasable is not None:
+                handed = [move(v, self.device, detach=True) for v in out]
+                _release_data(kept, self._releasable)
+            ctx.saved[(self.index, i)] = (args, kept, store, selective)
+            if memory is not None:
+                memory.hold(i, (args, kept, selective.kept if selective is not None else ()))
+            if selective is not None:
+                selective.kept = []
+        if recompute and handed and wants_grad(self.module, args):
             # computed without autograd: consumers must still ask for the gradients the
             # recomputation in backward will need
             return [carries_grad(v) for v in out]
-        return list(out)
+        return handed
+
+    def _forward(self, i: int, args: list[Any], ctx: StepContext, recompute: bool, selective: SelectiveRecompute | None, memory: StageMemory | None) -> Any:
+        """The stage's forward (and the last stage's loss) under the call's grad mode and
+        autocast: recorded for backward, without autograd (recomputed later), or keeping
+        only the costly ops' outputs (``selective``)."""
+        if selective is not None:
+            how = selective.forward()
+        elif memory is not None and not recompute:
+            how = memory.saving(i, self.offload)
+        else:
+            how = contextlib.nullcontext()
+        with torch.set_grad_enabled(ctx.grad_enabled and not recompute), ctx.autocast.applied(), how:
+            out = self._call(args, ctx, i)
+            if self.is_last and ctx.train and ctx.loss_of is not None and not recompute:
+                ctx.losses[i] = ctx.loss_of(i, out)
+        return out
 
     def backward(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> list[Grads]:
         """"B": backpropagate micro-batch ``i`` through the stage, given the gradients of its
@@ -111,19 +152,31 @@ class StageRunner:
         wait for ``backward_weight``; only what those need is kept until then."""
         input_grads, store = self._backprop(i, output_grads, ctx)
         ctx.deferred[(self.index, i)] = store or []
+        memory = self.memory_of(ctx)
+        if memory is not None:
+            memory.hold(("W", i), [work.holds for work in store or ()])
         return input_grads
 
     def backward_weight(self, i: int, ctx: StepContext) -> None:
         """"W": the weight gradients ``backward_input`` deferred for micro-batch ``i``."""
         for work in ctx.deferred.pop((self.index, i)):
             work()
+        memory = self.memory_of(ctx)
+        if memory is not None:
+            memory.release(("W", i))
 
     def _backprop(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> tuple[list[Grads], list | None]:
-        args, out, store = ctx.saved.pop((self.index, i))
+        args, out, store, selective = ctx.saved.pop((self.index, i))
+        memory = self.memory_of(ctx)
+        if memory is not None:
+            memory.fetch(i)
         if self.checkpoint:
             # random ops draw from the same (seed, key) as in the forward: the same masks
-            with torch.enable_grad(), ctx.autocast.applied(), self._buffers_restored():
-                out = self._call(args, ctx, i)
+            saving = memory.saving() if memory is not None else contextlib.nullcontext()
+            replay = selective.replay() if selective is not None else contextlib.nullcontext()
+            with torch.enable_grad(), ctx.autocast.applied(), saving:
+                with self._buffers_restored(), replay:
+                    out = self._call(args, ctx, i)
                 if self.is_last and ctx.loss_of is not None:
                     ctx.losses[i] = ctx.loss_of(i, out)
             if self.check_finite and i in ctx.losses:
@@ -150,6 +203,8 @@ class StageRunner:
         if self.check_finite:
             for edge, grads in zip(self.recv, input_grads):
                 finite.check(grads, f"the gradient stage {self.index} sends back on {self._edge(edge)}", edge)
+        if memory is not None:
+            memory.release(i)
         return input_grads, store
 
     def _check_forward(self, i: int, out: Any, ctx: StepContext) -> None:
@@ -160,6 +215,13 @@ class StageRunner:
         finite.check(out, f"the model's output (stage {self.index})")
         if i in ctx.losses:
             finite.check(ctx.losses[i], f"the loss of micro-batch {i}")
+
+    def memory_of(self, ctx: StepContext) -> StageMemory | None:
+        """This stage's record of what it keeps for backward in a measured training step
+        (in every training step when it offloads: offloading runs through its hooks)."""
+        if not ctx.train or ctx.memory is None or not (ctx.memory.measured or self.offload is not None):
+            return None
+        return ctx.memory.stage(self.index, self.module, self.name or str(self.device))
 
     def _edge(self, edge: int) -> str:
         return self.edge_names.get(edge, f"edge {edge}")
@@ -189,7 +251,60 @@ class StageRunner:
                 owner._buffers[name] = buffer
 
 
+def _releasable(values: Any, saved: set) -> list[bool]:
+    """Which leaves of a stage's outputs it may keep without their memory (see
+    :func:`_release_data`): tensors in its autograd graph, not views, not saved by autograd
+    itself (``saved``: the storages it saved)."""
+    return [
+        isinstance(t, torch.Tensor) and t.grad_fn is not None and t._base is None and t.numel() > 1 and not storages([t]) & saved
+        for t in pytree.tree_leaves(values)
+    ]
+
+
+def _release_data(values: Any, releasable: list[bool]) -> None:
+    """Let go of the memory of the outputs a stage keeps for its backward, which needs
+    only their place in the autograd graph (``grad_fn``) and their shapes: their consumers
+    hold the values (Megatron-LM frees sent outputs the same way). Each releasable leaf
+    (decided once, in a measured step: the same code keeps the same tensors) keeps its
+    shape on one element's memory."""
+    leaves = pytree.tree_leaves(values)
+    if len(leaves) != len(releasable):
+        return
+    for t, ok in zip(leaves, releasable):
+        if ok and isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
 def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), value)
+
+
+def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, plan: Any) -> StageRunner:
+    """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``,
+    run as the stage (recompute) and ``plan`` (finiteness checks) say."""
+    edges = zip(list(stage.recv_ids) + list(stage.send_ids), list(stage.inputs) + list(stage.outputs))
+    return StageRunner(
+        index=stage.index,
+        module=module,
+        device=device,
+        num_model_inputs=len(stage.model_inputs),
+        recv=list(stage.recv_ids),
+        send=list(stage.send_ids),
+        is_last=stage.index == num_stages - 1,
+        mutated_inputs=stage.mutated_inputs,
+        buffers_written=[_owner(module, name) for name in stage.buffers_written],
+        name=stage.device,
+        checkpoint=stage.recompute,
+        extra_inputs=tuple(stage.extra_inputs),
+        check_finite=plan.check_finite,
+        edge_names={k: f"edge {k} ({e.name!r}, stage {e.src} -> stage {e.dst})" for k, e in edges},
+        offload=Offload(device) if stage.offload else None,
+    )
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule holding buffer ``name``, its attribute name)."""
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
