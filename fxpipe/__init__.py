@@ -14,7 +14,7 @@ from fxpipe.guard import device_guard
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.annotate import AnnotateError
-from fxpipe.passes.trace import TraceError
+from fxpipe.passes.traced import TraceError
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fxpipe import CompileError, DeviceError, MicrobatchError, PlanError
     from fxpipe.drawing.render import DrawError
     from fxpipe.passes.annotate import AnnotateError
-    from fxpipe.passes.trace import TraceError
+    from fxpipe.passes.traced import TraceError
 
     expected = (CommandError, PlanError, CompileError, AnnotateError, TraceError, DeviceError, MicrobatchError, DrawError)
     try:
