@@ -286,6 +286,7 @@ def _cut(
         example_inputs, example_kwargs, list(traced.notes), deps, workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
         model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
+        opaque=list(traced.opaque),
     )
 
 

@@ -36,7 +36,9 @@ class Partitioned:
     ``fxpipe.profile`` measured, if a profile was given; model_losses: the loss calls the
     last stage makes (a model computing its own loss), with the slice that computes their
     targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None;
-    output_inputs: per output leaf, the model inputs (flat positions) it depends on.
+    output_inputs: per output leaf, the model inputs (flat positions) it depends on;
+    opaque: the callees the fx frontend runs whole (``fxpipe.passes.opaque.OpaqueCallee``:
+    name, why, where fx stopped), listed by summary() and explain().
     """
 
     plan: Plan
@@ -57,6 +59,7 @@ class Partitioned:
     calibration: Calibration | None = None
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
+    opaque: list[Any] = field(default_factory=list)
 
     @property
     def num_workers(self) -> int:
@@ -104,7 +107,14 @@ class Partitioned:
             "FLOPs: forward, full example batch; predicted: forward+backward+send/recv of one micro-batch; "
             "memory: parameters, gradients, optimizer state and in-flight activations (see docs/cost-model.md)"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + self._opaque_lines())
+
+    def _opaque_lines(self) -> list[str]:
+        """The callees run whole (fx could not trace into them), one line each with the reason."""
+        if not self.opaque:
+            return []
+        head = f"run whole (opaque: torch.fx could not trace into them): {len(self.opaque)}"
+        return [head] + [f"  {callee.describe()}" for callee in self.opaque]
 
     def explain(self) -> str:
         """Why each stage holds its nodes (tag, split point, cost model) and the edges it cuts."""
@@ -122,7 +132,7 @@ class Partitioned:
                 lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")
             for e in s.outputs:
                 lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({fmt.nbytes(e.nbytes)})")
-        return "\n".join(lines)
+        return "\n".join(lines + self._opaque_lines())
 
     def estimates(self, microbatches: int | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from

@@ -4,9 +4,10 @@ Frontends
 ---------
 ``fx``      ``torch.fx`` symbolic tracing (``passes/trace_fx.py``).
 ``export``  ``torch.export.export(strict=False)`` (``passes/trace_export.py``).
-``auto``    fx first, export when fx fails; HuggingFace models (which fx cannot trace, and
-            for which transformers no longer ships an fx tracer) go to export directly.
-            The result's ``notes`` say which frontend ran and why.
+``auto``    fx first, for every model (HuggingFace's included): what fx cannot trace
+            runs as an opaque call and the trace goes on around it; export when fx fails
+            anyway (the root forward's own body cannot be traced). The result's ``notes``
+            say which frontend ran and why.
 
 What a trace specialises on is explicit (``passes/signature.py``): ``Traced.key`` is the
 call's :class:`TraceKey`; ``Traced.key_of`` gives another call's key in the same terms, so
@@ -65,11 +66,6 @@ def quiet_attempt() -> Iterator[None]:
     sys.stderr.write(held.getvalue())
 
 
-def is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a HuggingFace ``PreTrainedModel`` (without importing transformers)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(model).__mro__)
-
-
 def trace(
     model: nn.Module,
     example_inputs: tuple = (),
@@ -82,10 +78,11 @@ def trace(
 ) -> Traced:
     """Trace ``model`` for the call ``model(*example_inputs, **example_kwargs)``.
 
-    dynamic_batch (export only): True marks dim 0 of batch-sized tensor inputs symbolic so
-    one trace serves every micro-batch size (export may still bake it, e.g. for a batch of
-    1: ``key`` then holds it); False traces at the example's sizes, which ``key`` then
-    holds: trace once per micro-batch signature.
+    dynamic_batch: True keeps dim 0 of batch-sized tensor inputs out of what the trace
+    specialises on, so one trace serves every micro-batch size (export marks it symbolic
+    and may still bake it, e.g. for a batch of 1: ``key`` then holds it; fx branches on
+    sizes as a batch of two would); False traces at the example's sizes, which ``key``
+    holds wherever the trace depends on sizes: trace once per micro-batch signature.
 
     Returns a :class:`Traced`. Raises SignatureError when the example does not fit
     ``model.forward``, TraceError naming, for each frontend tried, the module and source
@@ -102,14 +99,11 @@ def trace(
     # compiler's bind_inputs then asks for a complete example
     bound.apply_defaults()
     notes: list[str] = []
-    if frontend == "auto" and is_transformers_model(model):
-        frontend = "export"
-        notes.append(f"{owner} is a HuggingFace model: traced with torch.export (torch.fx cannot trace transformers models)")
     failures: list[tuple[str, BaseException]] = []
     with quiet_attempt():
         if frontend in ("auto", "fx"):
             try:
-                traced = trace_fx(model, signature, bound, leaf_modules, concrete_args or {})
+                traced = trace_fx(model, signature, bound, leaf_modules, concrete_args or {}, dynamic_batch)
             except (TraceError, TagError):
                 raise  # a wrong device_guard or a None operand: every frontend stops there
             except Exception as err:  # noqa: BLE001 - any failure means: try the next frontend

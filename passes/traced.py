@@ -46,6 +46,7 @@ class Traced:
     key_of: (args, kwargs) -> that call's TraceKey in this trace's terms; equal to ``key``
         exactly when this trace serves the call.
     notes: which frontend ran and why, for ``explain()``.
+    opaque: the callees the fx frontend runs whole (``passes/opaque.py``), in trace order.
     """
 
     graph_module: fx.GraphModule
@@ -56,6 +57,7 @@ class Traced:
     key: TraceKey
     key_of: Callable[..., TraceKey]
     notes: list[str] = field(default_factory=list)
+    opaque: list[Any] = field(default_factory=list)
 
 
 def checked_binder(spec: CallSpec, key: TraceKey) -> Callable[[tuple, dict], list]:
