@@ -3,8 +3,9 @@
 The compute nodes, in program order (a topological order of the data flow), are split
 into ``len(plan.devices) x plan.chunks`` contiguous stages by the exact min-max partitioner
 of ``passes/split_solver.py`` over the device model's node times, send/recv times of the
-bytes live across each cut, and every device's memory; the cuts are then moved while the
-plan's simulated schedule gets faster (``refine``). The result is cut *positions*: the
+bytes live across each cut, and every device's memory; a model of repeated layers (the
+blocks the tracer stamped, ``node.meta["block"]``) is split between layers, each layer one
+item; the cuts are then moved while the plan's simulated schedule gets faster (``refine``). The result is cut *positions*: the
 nodes where stages begin, with a reason per stage; ``passes/annotate.annotate_by_cuts``
 turns them into ``node.meta["stage"]`` with the placement rule every split shares.
 """
@@ -22,10 +23,11 @@ from fxpipe import format as fmt
 from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
 from fxpipe.estimates import in_flight, measured_device, plan_schedule, play
 from fxpipe.passes.annotate import AnnotateError
-from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
+from fxpipe.passes.meta import BLOCK, COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.shape_prop import tensor_bytes
 from fxpipe.passes.split_solver import (
+    Split,
     SplitInfeasible,
     SplitProblem,
     ordered_problem_inputs,
@@ -38,6 +40,8 @@ from fxpipe.schedules import Schedule, ScheduleError, describe_schedule, stage_w
 # the exact min-max split gives way to the schedule-refined one only when the simulated
 # step is at least this much shorter: smaller gains are far below the model's error
 REFINE_MIN_GAIN = 0.01
+# repeated blocks (layers) are the split's items when there are at least this many per stage
+CLUSTERS_PER_STAGE = 4
 
 
 @dataclass
@@ -97,7 +101,7 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
     )
     try:
-        split = solve(problem)
+        split = _solve_by_blocks(problem, order)
     except SplitInfeasible as err:
         raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
     step_time = _simulated_step(actions, m, models, phases, cuts)
@@ -121,6 +125,20 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         )
     how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
     return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
+
+
+def _solve_by_blocks(problem: SplitProblem, order: list[fx.Node]) -> Split:
+    """The min-max split, solved over repeated blocks (``node.meta["block"]``: the layers the
+    tracer stamped) where they are many enough for the stages (at least
+    ``CLUSTERS_PER_STAGE`` clusters per stage): cuts fall between layers. Else over nodes."""
+    starts = [k for k, node in enumerate(order) if k == 0 or node.meta.get(BLOCK) is None or node.meta.get(BLOCK) != order[k - 1].meta.get(BLOCK)]
+    if len(starts) == len(order) or len(starts) < CLUSTERS_PER_STAGE * problem.num_stages:
+        return solve(problem)
+    coarse = solve(problem.clustered(starts))
+    edges = [*starts, len(order)]
+    bounds = [edges[b] for b in coarse.boundaries]
+    K = problem.num_stages
+    return Split(bounds, [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(K)], [problem.stage_memory(k, bounds[k], bounds[k + 1]) for k in range(K)])
 
 
 def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:

@@ -28,7 +28,7 @@ from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
-from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.shape_prop import propagate_shapes, record_values
 from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
@@ -131,7 +131,11 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
             "propagates their shapes on fake tensors to size every stage and edge"
         ) from None
     progress.phase("shapes and costs")
-    fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
+    if traced.replay is not None:  # the fx frontend replayed the example while tracing
+        fake_run = traced.replay
+        record_values(fake_run)
+    else:
+        fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
     annotate_costs(gm.graph, resolve, fake_run)
     if profile is not None:
         profile.apply(gm.graph)

@@ -128,7 +128,9 @@ class FakeReplay:
     FakeTensorMode to run in (one whose fakes the graph's modules already hold), else a new one.
     After :meth:`run`: ``values`` maps every node run to its value, ``keys`` every compute
     node to its key (nodes with equal keys compute alike), ``templates`` every compute node
-    to its OutputTemplate, and ``runs`` counts the compute nodes that really ran.
+    to its OutputTemplate, ``runs`` counts the compute nodes that really ran, and
+    ``estimated`` holds the nodes that could not run on fake tensors (data-dependent) and
+    ran for real on zeros: their sizes are those zeros gave, not facts.
     """
 
     def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None) -> None:
@@ -143,6 +145,9 @@ class FakeReplay:
         self._signatures: dict[int, tuple[Any, Hashable]] = {}  # id(module) -> (module, signature)
         self._made: set[int] = set()  # ids of template-built leaves that require grad
         self._context: Hashable = ()  # grad mode and autocast of the current run
+        self.estimated: set[fx.Node] = set()  # nodes whose value came from a real run on zeros
+        self._estimated_keys: set[Hashable] = set()
+        self._ran_for_real = False
 
     def run(
         self,
@@ -275,13 +280,19 @@ class FakeReplay:
         template = self._memo.get(key)
         if template is not None:
             self.templates[node] = template
+            if key in self._estimated_keys:
+                self.estimated.add(node)
             return self._build(template, tensors)
         args, kwargs = self._writable((args, kwargs))
         tensors = input_tensors(args, kwargs)
         versions = [t._version for t in tensors]
         self.runs += 1
+        self._ran_for_real = False
         try:
             out = self.execute(node, args, kwargs, resolve)
+            if self._ran_for_real:
+                self.estimated.add(node)
+                self._estimated_keys.add(key)
         except Exception as err:
             if hasattr(err, "add_note"):  # Python 3.11+
                 where = node.meta.get(MODULE_PATH)
@@ -351,6 +362,7 @@ class FakeReplay:
         run on copies of their tensors and the global RNG is restored, so nothing of the
         model changes. An output requires grad where an input or a parameter does (as
         autograd would make it)."""
+        self._ran_for_real = True
         modules = [m for m in pytree.tree_leaves((fn, args, kwargs)) if isinstance(m, torch.nn.Module)]
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors += [t for m in modules for t in m.parameters()]
@@ -484,10 +496,10 @@ def _tensor_template(leaf: torch.Tensor, tensors: list[torch.Tensor], storages: 
     storage = _storage(leaf)
     if storage is not None:
         for j, s in enumerate(storages):
-            if s == storage:
+            if s is not None and s == storage:
                 return TensorTemplate(*meta, ("in", j), written=tensors[j]._version != versions[j])
         for k, (_, s) in enumerate(made):
-            if s == storage:
+            if s is not None and s == storage:
                 return TensorTemplate(*meta, ("out", k))
     return TensorTemplate(*meta)
 

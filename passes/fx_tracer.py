@@ -27,6 +27,7 @@ record: the enclosing function or module runs whole instead, so it behaves as in
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import operator
@@ -41,14 +42,18 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _symbolic_trace as fx_internals
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.assumed import check_assumed
+from fxpipe.passes.blocks import Blocks, Template, capture, plain_ints, stamp, unwatched, watching
+from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
 from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS
+from fxpipe.passes.module_state import WriteJournal
 from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
 from fxpipe.passes.ops import draws_random
 from fxpipe.passes.scope import draws_nothing
@@ -72,26 +77,32 @@ class RootCall:
     names: one placeholder name per input; examples: the example's value of each;
     batch_of_one: the same with the batch cut to one sample, or None (branches that only a
     batch of one takes the other way are then not checked at run time);
-    rebuild: placeholder values -> (args, kwargs) for ``forward``.
+    rebuild: placeholder values -> (args, kwargs) for ``forward``; replayed_as_given: False
+    when ``examples`` are not the call's own sizes (a batch of one replayed as two); given:
+    the call's own values (default ``examples``).
     """
 
     def __init__(
-        self, names: Sequence[str], examples: Sequence[Any], batch_of_one: Sequence[Any] | None, rebuild: Callable[[Sequence[Any]], tuple[tuple, dict]]
+        self,
+        names: Sequence[str],
+        examples: Sequence[Any],
+        batch_of_one: Sequence[Any] | None,
+        rebuild: Callable[[Sequence[Any]], tuple[tuple, dict]],
+        replayed_as_given: bool = True,
+        given: Sequence[Any] | None = None,
     ) -> None:
         self.names, self.examples, self.rebuild = list(names), list(examples), rebuild
+        self.given = list(examples if given is None else given)
         self.batch_of_one = None if batch_of_one is None else list(batch_of_one)
+        self.replayed_as_given = replayed_as_given
 
 
 class _Proxy(fx.Proxy):
     """An fx Proxy that records item assignment (``self.history[i] = x`` on a buffer, now
-    that buffers are proxies) as ``operator.setitem``, which writes in place at run time,
-    and answers ``len()`` from the example's sizes."""
+    that buffers are proxies) as ``operator.setitem``, which writes in place at run time."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-    def __len__(self) -> int:
-        return self.tracer.length(self)
 
 
 class PipeTracer(fx.Tracer):
@@ -99,19 +110,21 @@ class PipeTracer(fx.Tracer):
 
     leaf_modules: module classes, or qualified module names, called whole (their results
     stay plain proxies, as fx's leaves); auto_leaf: make opaque what fx cannot trace
-    (False: fail there, as plain fx does). After :meth:`trace_call`: ``opaque`` lists the
+    (False: fail there, as plain fx does); stamp_blocks: trace each distinct block once
+    (``passes/blocks.py``; False: trace every call). After :meth:`trace_call`: ``opaque`` lists the
     opaque callees in the order they were made, ``assumptions`` counts the branches taken
     on sizes, ``out_spec`` is the structure of what ``forward`` returned.
     """
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaf_modules: Sequence[Any] = (), auto_leaf: bool = True) -> None:
+    def __init__(self, leaf_modules: Sequence[Any] = (), auto_leaf: bool = True, stamp_blocks: bool = True) -> None:
         super().__init__(autowrap_functions=_FACTORIES)
         self._autowrap_search.append(torch)  # torch.ones(batch, length): one node, sizes read at run time
         self.leaf_classes = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
         self.auto_leaf = auto_leaf
+        self.stamp_blocks = stamp_blocks
         self.path_stack: list[str] = [""]
         self.opaque: list[OpaqueCallee] = []
         self.assumptions = 0
@@ -123,9 +136,13 @@ class PipeTracer(fx.Tracer):
         self._opaque_functions: dict[types.FunctionType, OpaqueCallee] = {}
         self._calls: Interceptor | None = None
         self._inputs: dict[fx.Node, Any] = {}  # placeholder -> the example's value
+        self._given: dict[fx.Node, Any] = {}  # placeholder -> the call's own value, where real
+        self._input_branches: set[types.CodeType] = set()  # code whose branches may follow input values
         self._example: GrowingReplay | None = None
         self._shadow: GrowingReplay | None = None  # the same at a batch of one
         self._draws: dict[Any, bool] = {}
+        self.blocks = Blocks()
+        self._writes = WriteJournal(self.tracing_here)
         self._thread = threading.get_ident()
         self._replaying = 0
 
@@ -136,8 +153,11 @@ class PipeTracer(fx.Tracer):
         it). Raises what fx raises
         where no opaque call can stand in (a failure in the root's own forward body)."""
         self._root_call = call
-        with Interceptor(self._call_opaque_function) as self._calls, _untraceable_contexts(self):
+        with Interceptor(self._call_opaque_function) as self._calls, _untraceable_contexts(self), self._writes:
             graph = self.trace(model)
+            output = next(reversed(graph.nodes))
+            with self._fake_run():
+                self._example.value(output)  # the rest of the replay: shape propagation's values
         for node in graph.nodes:
             if node.target in _FACTORIES:
                 # fx marks autowrapped calls for re-tracing by name, which a torch.* name breaks
@@ -146,10 +166,20 @@ class PipeTracer(fx.Tracer):
         self.opaque = list({id(c): c for n in graph.nodes if (c := n.meta.get(OPAQUE)) is not None}.values())
         return graph
 
+    def example_replay(self) -> FakeReplay | None:
+        """After :meth:`trace_call`: the replay of the whole graph on the example (every
+        node's value, key and template, as shape propagation makes them), or None when a node
+        could not run or the example was replayed at another batch size (a batch of one)."""
+        replay = self._example.replay
+        if self._root_call.replayed_as_given and all(n in replay.values for n in self.graph.nodes):
+            return replay
+        return None
+
     def create_args_for_root(self, root_fn: Callable, is_module: bool, concrete_args: Any = None) -> tuple[Callable, list]:
         call = self._root_call
         placeholders = [self.create_proxy("placeholder", name, (), {}) for name in call.names]
         self._inputs = {p.node: example for p, example in zip(placeholders, call.examples)}
+        self._given = {p.node: value for p, value in zip(placeholders, call.given) if _real(value)}
         resolve = resolver(self.root)
         self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__)
         if call.batch_of_one is not None:
@@ -186,16 +216,53 @@ class PipeTracer(fx.Tracer):
                 return self._call_opaque_module(path, args, kwargs, self._opaque_modules[id(m)])
             if not self.auto_leaf or self.is_leaf_module(m, path):
                 return super().call_module(m, forward, args, kwargs)
-            try:
-                return self._traced(lambda: fx.Tracer.call_module(self, m, forward, args, kwargs), m)
-            except TagError:
-                raise
-            except Exception as err:  # noqa: BLE001 - whatever stops fx: the module runs whole
-                callee = _callee(f"{path} ({type(m).__name__})", "module", err, {path})
-                self._opaque_modules[id(m)] = callee
-                return self._call_opaque_module(path, args, kwargs, callee)
+            return self._call_block(m, path, forward, args, kwargs)
         finally:
             self.path_stack.pop()
+
+    def _call_block(self, m: nn.Module, path: str, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """A module traced into: stamped from an equal call traced before (``passes/blocks.py``),
+        else traced (what fx cannot trace made opaque), else run whole."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        keyed = None
+        if self.stamp_blocks:
+            with self._fake_run():
+                keyed = self.blocks.key(m, leaves, spec, self._example.value)
+        template = self.blocks.template_for(*keyed) if keyed is not None else None
+        if template is not None:
+            return self._stamp(template, path, leaves)
+        mark = self._mark()
+        try:
+            with watching(m) as used:
+                out = self._traced(lambda: fx.Tracer.call_module(self, m, forward, args, kwargs), m)
+        except TagError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever stops fx: the module runs whole
+            callee = _callee(f"{path} ({type(m).__name__})", "module", err, {path})
+            self._opaque_modules[id(m)] = callee
+            return self._call_opaque_module(path, args, kwargs, callee)
+        made = capture(self.graph, mark[0], path, leaves, out)
+        if made is not None:
+            plain_ints(made)
+        if keyed is not None:
+            self.blocks.record(*keyed, used, made)
+        return out
+
+    def _stamp(self, template: Template, path: str, leaves: list[Any]) -> Any:
+        rebound = functools.partial(self.blocks.rebound_callee, old=template.path, new=path)
+        _, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
+        self.blocks.stamped += 1
+        return pytree.tree_unflatten([self.proxy(o) if isinstance(o, fx.Node) else o for o in outputs], spec)
+
+    def _attribute(self, target: str, meta: dict) -> fx.Node:
+        """The ``get_attr`` node of ``target`` (one per target in the trace); a new one gets
+        ``meta`` (a stamped template node's)."""
+        if self._param_cache is None:
+            self._param_cache = {}
+        if target not in self._param_cache:
+            self._param_cache[target] = self.create_proxy("get_attr", target, (), {})
+            self._param_cache[target].node.meta.update(meta)
+        return self._param_cache[target].node
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         # fx searches named_parameters()/named_buffers() on every access (quadratic in the
@@ -215,27 +282,38 @@ class PipeTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        """A branch on a traced value: taken as the example's sizes take it (and checked at
-        run time); a branch on tensor values cannot be traced (fx's TraceError)."""
-        value = self._size_value(obj)
+        """A branch on a traced value: taken as the example's sizes take it, or, in the
+        root's forward where nothing can run whole instead, for a condition on the values of
+        the call's inputs alone (``if (boxes[:, 2:] <= boxes[:, :2]).any():``, a check of its
+        targets), as the example's values take it; either way checked at run time. A branch
+        on other tensor values cannot be traced (fx's TraceError)."""
+        given = None
+        if _user_code() in self._input_branches:
+            with self._fake_run():  # the inputs' own values, computed for real
+                given = _input_only_value(obj.node, self._given)
+        value = self._size_value(obj) if given is None else given
         self._assume(obj, bool(value), "the condition")
         return bool(value)
 
     def iter(self, obj: fx.Proxy) -> Iterator:
-        value = self._known(obj)
-        if isinstance(value, torch.Tensor):
-            self._assume(obj.size(0), int(value.shape[0]), "the length iterated over")
-        elif not isinstance(value, tuple | list):
-            raise fx.proxy.TraceError(f"cannot iterate over a traced {type(value).__name__}")
-        return iter([obj[k] for k in range(len(value))])
+        """Iterating over a traced tuple or list (its structure is the example's), or over a
+        tensor's dim 0 (its size followed and checked at run time)."""
+        return iter([obj[k] for k in range(self.length(obj))])
+
+    def is_tensor(self, obj: fx.Proxy) -> bool:
+        """Whether the example's value of one of this trace's proxies is a tensor."""
+        return obj.tracer is self and isinstance(self._value(obj.node), torch.Tensor)
 
     def length(self, obj: fx.Proxy) -> int:
-        value = self._known(obj)
-        if isinstance(value, torch.Tensor):
-            self._assume(obj.size(0), int(value.shape[0]), "len()")
-            return int(value.shape[0])
+        """``len()`` of a traced tuple or list (a structure; kept even when the values inside
+        depend on data), or of a tensor (its dim 0 followed and checked at run time)."""
+        value = self._value(obj.node)
         if isinstance(value, tuple | list):
             return len(value)
+        value = self._known(obj)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            self._assume(obj.size(0), int(value.shape[0]), "a length")
+            return int(value.shape[0])
         raise fx.proxy.TraceError(f"len() of a traced {type(value).__name__}")
 
     # ------------------------------------------------------------------ retrying
@@ -254,10 +332,22 @@ class PipeTracer(fx.Tracer):
                 if not self.auto_leaf or len(self._opaque_functions) >= MAX_OPAQUE_FUNCTIONS:
                     raise
                 fn = self._failing_function(err, module)
-                if fn is None:
+                if fn is not None:
+                    self._opaque_functions[fn] = _callee(f"{fn.__module__}.{fn.__qualname__}", "function", err, set())
+                    self._calls.intercept(fn)
+                elif not (module is self.root and self._may_branch_on_inputs(err)):
                     raise
-                self._opaque_functions[fn] = _callee(f"{fn.__module__}.{fn.__qualname__}", "function", err, set())
-                self._calls.intercept(fn)
+
+    def _may_branch_on_inputs(self, err: BaseException) -> bool:
+        """For a branch in the root's own forward, where nothing can run whole instead: let a
+        condition on the call's inputs alone follow the example's values (a check of the
+        inputs, such as a detection model's of its target boxes), checked at run time.
+        Returns whether the line was not allowed before (then trace again)."""
+        frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__) if not is_internal(frame.f_code.co_filename)]
+        if not frames or not isinstance(err, fx.proxy.TraceError) or frames[-1].f_code in self._input_branches:
+            return False
+        self._input_branches.add(frames[-1].f_code)
+        return True
 
     def _failing_function(self, err: BaseException, module: nn.Module) -> types.FunctionType | None:
         """The innermost function in the user's code (or a library's) between ``module``'s
@@ -274,13 +364,15 @@ class PipeTracer(fx.Tracer):
                 return fn
         return None
 
-    def _mark(self) -> tuple[fx.Node | None, int]:
+    def _mark(self) -> tuple[fx.Node | None, int, int]:
         nodes = self.graph.nodes
-        return (next(iter(reversed(nodes)), None) if len(nodes) else None), len(self.module_stack)
+        return (next(iter(reversed(nodes)), None) if len(nodes) else None), len(self.module_stack), self._writes.mark()
 
-    def _rollback(self, mark: tuple[fx.Node | None, int]) -> None:
-        """Erase what a failed attempt added to the graph, and fx's bookkeeping of it."""
-        last, depth = mark
+    def _rollback(self, mark: tuple[fx.Node | None, int, int]) -> None:
+        """Erase what a failed attempt added to the graph, fx's bookkeeping of it, and set
+        back the module attributes it wrote."""
+        last, depth, writes = mark
+        self._writes.undo(writes)
         doomed = []
         for node in reversed(self.graph.nodes):
             if node is last:
@@ -292,6 +384,7 @@ class PipeTracer(fx.Tracer):
         for replay in (self._example, self._shadow):
             if replay is not None:
                 replay.forget(gone)
+        self.blocks.forget(gone)
         if self._param_cache is not None:
             for name in [k for k, p in self._param_cache.items() if p.node in gone]:
                 del self._param_cache[name]
@@ -314,7 +407,7 @@ class PipeTracer(fx.Tracer):
         for k, leaf in enumerate(leaves):
             graph_value = self._as_graph_value(leaf)
             if graph_value is None:
-                baked.append(leaf)
+                baked.append(unwatched(leaf))
                 continue
             baked.append(None)
             slots.append(k)
@@ -344,6 +437,7 @@ class PipeTracer(fx.Tracer):
         value = self._value(proxy.node, callee)
         if value is UNKNOWN:  # data-dependent: its structure stays unknown
             return proxy
+        value = pytree.tree_map(unwatched, value)
         guard = output_guard(value, callee)
         if guard is None:
             return proxy
@@ -355,9 +449,10 @@ class PipeTracer(fx.Tracer):
 
     # ------------------------------------------------------------------ example values
     def _known(self, obj: fx.Proxy) -> Any:
-        """The example's value of a proxy (fake tensors); fx's TraceError when unknown."""
+        """The example's value of a proxy (fake tensors) for a decision the trace takes once:
+        fx's TraceError when unknown, or when its sizes depend on tensor values."""
         value = self._value(obj.node)
-        if value is UNKNOWN:
+        if value is UNKNOWN or self._example.data_dependent(obj.node):
             raise fx.proxy.TraceError("symbolically traced variables cannot be used as inputs to control flow")
         return value
 
@@ -439,6 +534,47 @@ class PipeTracer(fx.Tracer):
         return threading.get_ident() == self._thread and not self._replaying
 
 
+def _user_code() -> types.CodeType | None:
+    """The code of the innermost frame of the user's code on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame.f_code if frame is not None else None
+
+
+def _names_tensor(classes: Any) -> bool:
+    return classes is torch.Tensor or (type(classes) is tuple and torch.Tensor in classes)
+
+
+def _real(value: Any) -> bool:
+    """Whether every tensor in ``value`` holds real data (not fake, not on the meta device)."""
+    return all(not (isinstance(t, FakeTensor) or t.is_meta) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _input_only_value(node: fx.Node, given: dict[fx.Node, Any]) -> Any:
+    """``node``'s value computed for real from the call's own inputs when it depends on
+    them alone (no parameter, buffer or module: a check of the inputs), else None."""
+    needed, stack = {node}, [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in needed:
+                needed.add(arg)
+                stack.append(arg)
+    if any(n.op in ("get_attr", "call_module") or (n.op == "placeholder" and n not in given) for n in needed):
+        return None
+    values: dict[fx.Node, Any] = {}
+    with torch.no_grad():
+        for n in node.graph.nodes:
+            if n not in needed:
+                continue
+            if n.op == "placeholder":
+                values[n] = given[n]
+                continue
+            args, kwargs = fx.map_arg((n.args, n.kwargs), values.__getitem__)
+            values[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+    return values[node]
+
+
 def _holds_proxy(value: Any, depth: int = 3) -> bool:
     """Whether an object kept in an opaque call reaches a traced value (through a closure, a
     partial's arguments or its attributes): at run time it would hand that proxy over."""
@@ -506,7 +642,9 @@ class UntraceableContext(RuntimeError):
 def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
     """While ``tracer`` traces, entering ``torch.no_grad``/``enable_grad``/``inference_mode``/
     ``torch.autocast`` or reading grad mode or autocast raises UntraceableContext, so the
-    enclosing function or module runs whole (and behaves as in eager)."""
+    enclosing function or module runs whole (and behaves as in eager); ``len()`` of any of its
+    proxies (fx's ``Attribute`` proxies too) and the model's ``isinstance(x, torch.Tensor)``
+    are answered from the example."""
 
     def refuse(what: str, original: Callable, internal_ok: bool) -> Callable:
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -517,6 +655,8 @@ def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
         return guarded
 
     patches = [
+        (fx.Proxy, "__len__", "len", False),  # every proxy, fx's Attribute ones too: len() from the example
+        (builtins, "isinstance", "isinstance", False),  # a traced tensor passes isinstance(x, torch.Tensor)
         (torch.amp.autocast_mode.autocast, "__enter__", "with torch.autocast(...)", False),
         (torch.autograd.grad_mode.no_grad, "__enter__", "with torch.no_grad()", False),
         (torch.autograd.grad_mode.enable_grad, "__enter__", "with torch.enable_grad()", False),
@@ -525,10 +665,24 @@ def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
         (torch, "is_autocast_enabled", "torch.is_autocast_enabled()", True),
         (torch, "is_grad_enabled", "torch.is_grad_enabled()", True),
     ]
+    def length(proxy: fx.Proxy) -> int:
+        if tracer.tracing_here() and proxy.tracer is tracer:
+            return tracer.length(proxy)
+        return original_len(proxy)
+
+    def is_instance(obj: Any, classes: Any) -> bool:
+        # the model's own checks of its values' types (``isinstance(boxes, torch.Tensor)``);
+        # torch's C++ and fx's own checks are not asked (they must see a proxy)
+        if type(obj) is _Proxy and _names_tensor(classes) and tracer.tracing_here() and not is_internal(sys._getframe(1).f_code.co_filename):
+            return tracer.is_tensor(obj) or original_isinstance(obj, classes)
+        return original_isinstance(obj, classes)
+
+    original_len, original_isinstance = fx.Proxy.__len__, builtins.isinstance
     saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     try:
+        own = {"len": length, "isinstance": is_instance}
         for owner, name, what, internal_ok in patches:
-            setattr(owner, name, refuse(what, getattr(owner, name), internal_ok))
+            setattr(owner, name, own[what] if what in own else refuse(what, getattr(owner, name), internal_ok))
         yield
     finally:
         for owner, name, original in saved:

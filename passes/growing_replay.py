@@ -6,7 +6,9 @@ with a :class:`~fxpipe.passes.fake_replay.FakeReplay` run over the graph as it g
 nodes are only ever added at the end (and a failed attempt's removed from the end), so
 each node runs once, in order, when a value at or after it is first asked for, and
 repeated layers reuse one template. A node that cannot run on fake tensors (data-dependent
-output shapes, no fake kernel) is unknown, and so is everything computed from it.
+output shapes, no fake kernel) is unknown, and so is everything computed from it; one that
+ran for real on zeros instead (the replay's fallback) is data-dependent, and so is
+everything computed from it.
 Writes no ``node.meta`` keys.
 """
 
@@ -35,6 +37,7 @@ class GrowingReplay:
         self.graph, self.resolve, self.inputs = graph, resolve, inputs
         self.replay = FakeReplay()
         self._done: set[fx.Node] = set()
+        self._dependent: set[fx.Node] = set()
         self._last: fx.Node | None = None
 
     def value(self, node: fx.Node, around: Callable[[fx.Node], contextlib.AbstractContextManager] | None = None) -> Any:
@@ -46,12 +49,18 @@ class GrowingReplay:
                 self._run(pending)
         return self.replay.values.get(node, UNKNOWN)
 
+    def data_dependent(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value depends on a node that ran for real on zeros (its sizes
+        may be another call's: a branch on them cannot be taken once for all)."""
+        return node in self._dependent
+
     def forget(self, gone: set[fx.Node]) -> None:
         """Drop what was recorded for nodes erased from the graph (a rolled-back attempt)."""
         for node in gone:
             for table in (self.replay.values, self.replay.keys, self.replay.templates):
                 table.pop(node, None)
         self._done -= gone
+        self._dependent -= gone
         if self._last in gone:
             self._last = next((n for n in reversed(self.graph.nodes) if n in self._done), None)
 
@@ -70,6 +79,8 @@ class GrowingReplay:
             return  # an input could not run: neither can this node
         try:
             self.replay.step(node, self.resolve, self.inputs(node) if node.op == "placeholder" else None)
+            if node in self.replay.estimated or any(a in self._dependent for a in node.all_input_nodes):
+                self._dependent.add(node)
         except TagError:
             raise
         except Exception:  # noqa: BLE001 - unknown from here on (data-dependent, or no fake kernel)

@@ -39,7 +39,7 @@ def user_line(stack_trace: str) -> tuple[str, str] | None:
 
 def is_internal(filename: str) -> bool:
     """Whether a source file is torch's or fxpipe's passes' (not the user's code)."""
-    return filename.startswith((_TORCH, _PASSES, "<fxpipe")) or "site-packages/torch" in filename
+    return filename.startswith((_TORCH + os.sep, _PASSES + os.sep, "<fxpipe")) or "site-packages/torch/" in filename
 
 
 def first_line(err: BaseException) -> str:

@@ -19,6 +19,7 @@ device_guard tags arrive in ``node.meta["custom"]`` through ``torch.fx.traceback
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,9 +46,11 @@ def trace_fx(
     user_concrete: Mapping[str, Any],
     dynamic_batch: bool = True,
     auto_leaf: bool = True,
+    stamp_blocks: bool = True,
 ) -> Traced:
     """Trace ``model`` for the bound call with torch.fx; returns the flat Traced, whose
-    ``opaque`` lists what runs whole (``auto_leaf=False``: nothing, fx fails instead).
+    ``opaque`` lists what runs whole (``auto_leaf=False``: nothing, fx fails instead); a
+    repeated block is traced once and stamped for the others (``stamp_blocks``).
     A trace that followed a branch on sizes holds them in its key: every size but the batch
     (``dynamic_batch=True``) or every size.
 
@@ -55,8 +58,8 @@ def trace_fx(
     body), or TraceError naming the argument and line when a None argument reaches an
     operator.
     """
-    call, picks = root_call(bound, user_concrete, dynamic_batch)
-    tracer = PipeTracer(leaf_modules, auto_leaf)
+    call, picks = root_call(bound, user_concrete, dynamic_batch, on_meta=_on_meta(model))
+    tracer = PipeTracer(leaf_modules, auto_leaf, stamp_blocks)
     with preserved_module_state(model), tracing():
         graph = tracer.trace_call(model, call)
         # built before the model's attributes are restored: constants the tracer stored on
@@ -68,7 +71,9 @@ def trace_fx(
     spec = CallSpec(signature, type(model).__name__, tuple(picks), sizes=bool(tracer.assumptions), baked=baked)
     key = spec.key_of_bound(bound)
     build_output = _identity if tracer.out_spec.is_leaf() else unflatten_with(tracer.out_spec)
-    return Traced(gm, gm, "fx", checked_binder(spec, key), build_output, key, spec.key, opaque=list(tracer.opaque))
+    traced = Traced(gm, gm, "fx", checked_binder(spec, key), build_output, key, spec.key, opaque=list(tracer.opaque))
+    traced.replay = tracer.example_replay()
+    return traced
 
 
 def _identity(value: Any) -> Any:
@@ -82,10 +87,13 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def root_call(bound: inspect.BoundArguments, user_concrete: Mapping[str, Any], dynamic_batch: bool = True) -> tuple[RootCall, list[tuple[str, int | None]]]:
+def root_call(
+    bound: inspect.BoundArguments, user_concrete: Mapping[str, Any], dynamic_batch: bool = True, on_meta: bool = False
+) -> tuple[RootCall, list[tuple[str, int | None]]]:
     """The root's inputs for a bound call, and per input which argument (and pytree leaf of
     it, or None for the whole value) it takes. Branches on sizes follow the example's, or
-    under ``dynamic_batch`` a batch of two where the example's is one."""
+    under ``dynamic_batch`` a batch of two where the example's is one; ``on_meta``: the
+    model's tensors are on the meta device, and the example is replayed there too."""
     names: list[str] = []
     examples: list[Any] = []
     picks: list[tuple[str, int | None]] = []
@@ -118,9 +126,16 @@ def root_call(bound: inspect.BoundArguments, user_concrete: Mapping[str, Any], d
         call = inspect.BoundArguments(bound.signature, arguments)
         return call.args, call.kwargs
 
+    if on_meta:  # as the compiler propagates shapes for such a model
+        examples = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in examples]
     if not dynamic_batch:
         return RootCall(names, examples, None, rebuild), picks
-    return RootCall(names, _with_batch(examples, 2, only_from=1), _with_batch(examples, 1), rebuild), picks
+    replayed = _with_batch(examples, 2, only_from=1)
+    return RootCall(names, replayed, _with_batch(examples, 1), rebuild, replayed_as_given=replayed is examples, given=examples), picks
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _with_batch(examples: list[Any], size: int, only_from: int | None = None) -> list[Any]:
@@ -161,15 +176,18 @@ def _check_none_operands(model: nn.Module, gm: fx.GraphModule, call: RootCall, n
     argument and which line, instead of a TypeError from deep inside compile."""
     if not nones:
         return
-    culprit = next(
-        (n for n in gm.graph.nodes if n.op == "call_function" and n.target in _NONE_REJECTING and any(a is None for a in n.args)),
-        None,
-    )
+    culprit = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target in _NONE_REJECTING and _none_operand(n)), None)
     if culprit is None:
         return
     line = _source_line_of(model, call, culprit, tracer.leaf_classes + tuple(tracer.leaf_names))
     where = f"module '{culprit.meta.get(MODULE_PATH) or type(model).__name__}'"
     raise none_error(type(model).__name__, nones, _NONE_REJECTING[culprit.target], line, where)
+
+
+def _none_operand(node: fx.Node) -> bool:
+    """Whether an operator node gets None where eager raises (``x[None]`` indexes fine)."""
+    operands = node.args[:1] if node.target is operator.getitem else node.args
+    return any(a is None for a in operands)
 
 
 def _source_line_of(model: nn.Module, call: RootCall, node: fx.Node, leaf_modules: Sequence[Any]) -> tuple[str, str] | None:

@@ -47,6 +47,8 @@ class Traced:
         exactly when this trace serves the call.
     notes: which frontend ran and why, for ``explain()``.
     opaque: the callees the fx frontend runs whole (``passes/opaque.py``), in trace order.
+    replay: the fake replay of the whole graph on the example call, when the frontend made
+        one (fx): shape propagation's values, so they need not be computed twice.
     """
 
     graph_module: fx.GraphModule
@@ -58,6 +60,7 @@ class Traced:
     key_of: Callable[..., TraceKey]
     notes: list[str] = field(default_factory=list)
     opaque: list[Any] = field(default_factory=list)
+    replay: Any = None
 
 
 def checked_binder(spec: CallSpec, key: TraceKey) -> Callable[[tuple, dict], list]:
