@@ -438,7 +438,7 @@ class PipeTracer(fx.Tracer):
         if value is UNKNOWN:  # data-dependent: its structure stays unknown
             return proxy
         value = pytree.tree_map(unwatched, value)
-        guard = output_guard(value, callee)
+        guard = output_guard(value, callee, estimated=self._example.data_dependent(proxy.node))
         if guard is None:
             return proxy
         out = self.create_proxy("call_function", guard, (proxy,), {})

@@ -79,9 +79,20 @@ class GrowingReplay:
             return  # an input could not run: neither can this node
         try:
             self.replay.step(node, self.resolve, self.inputs(node) if node.op == "placeholder" else None)
-            if node in self.replay.estimated or any(a in self._dependent for a in node.all_input_nodes):
+            if node in self.replay.estimated or (not _reads_rank_or_type(node) and any(a in self._dependent for a in node.all_input_nodes)):
                 self._dependent.add(node)
         except TagError:
             raise
         except Exception:  # noqa: BLE001 - unknown from here on (data-dependent, or no fake kernel)
             self.replay.values.pop(node, None)
+
+
+_RANK_OR_TYPE = {"dim", "ndimension", "ndim", "dtype", "device", "layout", "is_floating_point", "is_complex", "is_cuda"}
+
+
+def _reads_rank_or_type(node: fx.Node) -> bool:
+    """Whether a node reads only what does not depend on tensor values, even of a tensor
+    whose sizes do (``x.dim()``, ``x.dtype``)."""
+    if node.op == "call_method":
+        return node.target in _RANK_OR_TYPE
+    return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in _RANK_OR_TYPE

@@ -130,13 +130,15 @@ class OutputGuard:
         return hash(self._key)
 
 
-def output_guard(value: Any, callee: OpaqueCallee) -> OutputGuard | None:
+def output_guard(value: Any, callee: OpaqueCallee, estimated: bool = False) -> OutputGuard | None:
     """The guard for an opaque callee whose value (on fake tensors) is ``value``, or None when
-    the value is one tensor (nothing to assume: the node's value is handed on as is)."""
+    the value is one tensor (nothing to assume: the node's value is handed on as is).
+    ``estimated``: the value came from a run on zeros (the call depends on tensor values):
+    only its structure and None leaves are assumed; numbers and flags are graph values."""
     if isinstance(value, torch.Tensor):
         return None
     leaves, spec = pytree.tree_flatten(value)
-    constants = {k: leaf for k, leaf in enumerate(leaves) if is_constant(leaf)}
+    constants = {k: leaf for k, leaf in enumerate(leaves) if (leaf is None if estimated else is_constant(leaf))}
     passed = tuple(k for k in range(len(leaves)) if k not in constants)
     return OutputGuard(spec, constants, passed, callee)
 
