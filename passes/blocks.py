@@ -130,10 +130,28 @@ class Blocks:
         return self._rebound[key]
 
     def _signature(self, module: nn.Module) -> tuple[Hashable, dict[str, int]]:
+        """The module's key without its integer attributes, and those by path (``attn.
+        layer_idx``); computed once per module, a child's reused by its parent."""
         entry = self._signatures.get(id(module))
         if entry is None:
-            ints: dict[str, int] = {}
-            entry = (module, _split_signature(module, "", ints), ints)
+            state, ints = [], {}
+            for name, value in vars(module).items():
+                if name in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if isinstance(value, int) and not isinstance(value, bool):
+                    ints[name] = value.value if isinstance(value, _Watched) else value
+                else:
+                    state.append((name, _plain(value)))
+            tensors = tuple((name, None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)) for name, t in [*module._parameters.items(), *module._buffers.items()])
+            children = []
+            for name, child in module._modules.items():
+                if child is None:
+                    children.append((name, None))
+                    continue
+                signature, child_ints = self._signature(child)
+                children.append((name, signature))
+                ints.update({f"{name}.{path}": value for path, value in child_ints.items()})
+            entry = (module, (type(module), tuple(state), tensors, tuple(children)), ints)
             self._signatures[id(module)] = entry
         return entry[1], entry[2]
 
@@ -228,21 +246,6 @@ def _hooked(module: nn.Module) -> bool:
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
-def _split_signature(module: nn.Module, prefix: str, ints: dict[str, int]) -> Hashable:
-    """The module's key without its integer attributes, which go into ``ints`` by path."""
-    state = []
-    for name, value in vars(module).items():
-        if name in ("_parameters", "_buffers", "_modules"):
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            ints[prefix + name] = value.value if isinstance(value, _Watched) else value
-        else:
-            state.append((name, _plain(value)))
-    tensors = tuple((name, None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)) for name, t in [*module._parameters.items(), *module._buffers.items()])
-    children = tuple((name, None if c is None else _split_signature(c, f"{prefix}{name}.", ints)) for name, c in module._modules.items())
-    return (type(module), tuple(state), tensors, children)
 
 
 def _plain(value: Any) -> Hashable:

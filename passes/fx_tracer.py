@@ -27,7 +27,6 @@ record: the enclosing function or module runs whole instead, so it behaves as in
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 import operator
@@ -66,6 +65,7 @@ from fxpipe.passes.trace_errors import first_line, is_internal, user_frame
 # argument parser does not hand an fx Proxy in a size to __torch_function__, so fx records
 # a call with any traced argument as one node instead (fx's autowrap)
 _FACTORIES = (torch.ones, torch.zeros, torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.arange, torch.eye)
+_ABSENT = object()
 # at most this many functions made opaque in one trace (each costs a partial retrace)
 MAX_OPAQUE_FUNCTIONS = 64
 
@@ -138,6 +138,7 @@ class PipeTracer(fx.Tracer):
         self._inputs: dict[fx.Node, Any] = {}  # placeholder -> the example's value
         self._given: dict[fx.Node, Any] = {}  # placeholder -> the call's own value, where real
         self._input_branches: set[types.CodeType] = set()  # code whose branches may follow input values
+        self._scopes: dict[int, tuple[dict, Any]] = {}  # module globals given _isinstance -> what they had
         self._example: GrowingReplay | None = None
         self._shadow: GrowingReplay | None = None  # the same at a batch of one
         self._draws: dict[Any, bool] = {}
@@ -153,11 +154,19 @@ class PipeTracer(fx.Tracer):
         it). Raises what fx raises
         where no opaque call can stand in (a failure in the root's own forward body)."""
         self._root_call = call
-        with Interceptor(self._call_opaque_function) as self._calls, _untraceable_contexts(self), self._writes:
-            graph = self.trace(model)
-            output = next(reversed(graph.nodes))
-            with self._fake_run():
-                self._example.value(output)  # the rest of the replay: shape propagation's values
+        self._answer_isinstance(type(model).forward)
+        try:
+            with Interceptor(self._call_opaque_function) as self._calls, _untraceable_contexts(self), self._writes:
+                graph = self.trace(model)
+                output = next(reversed(graph.nodes))
+                with self._fake_run():
+                    self._example.value(output)  # the rest of the replay: shape propagation's values
+        finally:
+            for scope, previous in self._scopes.values():
+                if previous is _ABSENT:
+                    scope.pop("isinstance", None)
+                else:
+                    scope["isinstance"] = previous
         for node in graph.nodes:
             if node.target in _FACTORIES:
                 # fx marks autowrapped calls for re-tracing by name, which a torch.* name breaks
@@ -223,6 +232,7 @@ class PipeTracer(fx.Tracer):
     def _call_block(self, m: nn.Module, path: str, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """A module traced into: stamped from an equal call traced before (``passes/blocks.py``),
         else traced (what fx cannot trace made opaque), else run whole."""
+        self._answer_isinstance(type(m).forward)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         keyed = None
         if self.stamp_blocks:
@@ -253,6 +263,24 @@ class PipeTracer(fx.Tracer):
         _, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
         self.blocks.stamped += 1
         return pytree.tree_unflatten([self.proxy(o) if isinstance(o, fx.Node) else o for o in outputs], spec)
+
+    def _answer_isinstance(self, forward: Callable) -> None:
+        """Let ``isinstance(x, torch.Tensor)`` in the code of a module's forward (and of the
+        decorators around it) answer from the example for this trace's proxies: models check
+        their inputs' types. Only the model's modules are given it (as fx's autowrap patches
+        their globals): torch's own checks, and its C++ ones, must see a proxy."""
+        fn = forward
+        while fn is not None:
+            scope = getattr(fn, "__globals__", None)
+            if scope is not None and id(scope) not in self._scopes:
+                self._scopes[id(scope)] = (scope, scope.get("isinstance", _ABSENT))
+                scope["isinstance"] = self._isinstance
+            fn = getattr(fn, "__wrapped__", None)
+
+    def _isinstance(self, obj: Any, classes: Any) -> bool:
+        if type(obj) is _Proxy and _names_tensor(classes) and self.tracing_here():
+            return self.is_tensor(obj) or isinstance(obj, classes)
+        return isinstance(obj, classes)
 
     def _attribute(self, target: str, meta: dict) -> fx.Node:
         """The ``get_attr`` node of ``target`` (one per target in the trace); a new one gets
@@ -643,8 +671,7 @@ def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
     """While ``tracer`` traces, entering ``torch.no_grad``/``enable_grad``/``inference_mode``/
     ``torch.autocast`` or reading grad mode or autocast raises UntraceableContext, so the
     enclosing function or module runs whole (and behaves as in eager); ``len()`` of any of its
-    proxies (fx's ``Attribute`` proxies too) and the model's ``isinstance(x, torch.Tensor)``
-    are answered from the example."""
+    proxies (fx's ``Attribute`` proxies too) is answered from the example."""
 
     def refuse(what: str, original: Callable, internal_ok: bool) -> Callable:
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -656,7 +683,6 @@ def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
 
     patches = [
         (fx.Proxy, "__len__", "len", False),  # every proxy, fx's Attribute ones too: len() from the example
-        (builtins, "isinstance", "isinstance", False),  # a traced tensor passes isinstance(x, torch.Tensor)
         (torch.amp.autocast_mode.autocast, "__enter__", "with torch.autocast(...)", False),
         (torch.autograd.grad_mode.no_grad, "__enter__", "with torch.no_grad()", False),
         (torch.autograd.grad_mode.enable_grad, "__enter__", "with torch.enable_grad()", False),
@@ -670,19 +696,11 @@ def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
             return tracer.length(proxy)
         return original_len(proxy)
 
-    def is_instance(obj: Any, classes: Any) -> bool:
-        # the model's own checks of its values' types (``isinstance(boxes, torch.Tensor)``);
-        # torch's C++ and fx's own checks are not asked (they must see a proxy)
-        if type(obj) is _Proxy and _names_tensor(classes) and tracer.tracing_here() and not is_internal(sys._getframe(1).f_code.co_filename):
-            return tracer.is_tensor(obj) or original_isinstance(obj, classes)
-        return original_isinstance(obj, classes)
-
-    original_len, original_isinstance = fx.Proxy.__len__, builtins.isinstance
+    original_len = fx.Proxy.__len__
     saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     try:
-        own = {"len": length, "isinstance": is_instance}
         for owner, name, what, internal_ok in patches:
-            setattr(owner, name, own[what] if what in own else refuse(what, getattr(owner, name), internal_ok))
+            setattr(owner, name, length if what == "len" else refuse(what, getattr(owner, name), internal_ok))
         yield
     finally:
         for owner, name, original in saved:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from fxpipe.passes.fx_tracer import PipeTracer, RootCall
 from fxpipe.passes.meta import MODULE_PATH
@@ -63,8 +64,10 @@ def trace_fx(
     with preserved_module_state(model), tracing():
         graph = tracer.trace_call(model, call)
         # built before the model's attributes are restored: constants the tracer stored on
-        # the root (``_tensor_constant0``) are copied into the GraphModule
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        # the root (``_tensor_constant0``) are copied into the GraphModule; its Python code is
+        # generated when first run (the compiler runs the stages' code, not this one's)
+        with _use_lazy_graph_module(True):
+            gm = _LazyGraphModule(tracer.root, graph, type(model).__name__)
     nones = [name for name, value in bound.arguments.items() if value is None and name not in user_concrete]
     _check_none_operands(model, gm, call, nones, tracer)
     baked = _sizes_but_the_batch(bound) if tracer.assumptions and dynamic_batch else {}

@@ -38,3 +38,14 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out
     assert "i64[*, 16]" in out and "i64[*, 32]" in out, out  # both signatures held
+
+
+@pytest.mark.timeout(300)
+def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) -> None:
+    plot = tmp_path / "depth.png"
+    out = run("compile.py", "--quick", "--parts", "depth", "--plot", str(plot))
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)s\s+(\d+\.\d+)s \((\d+\.\d+)x\)\s+(\d+\.\d+)s \((\d+\.\d+)x\)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [4, 8, 16], out  # pipeline(), explicit and auto at each depth
+    goals = re.findall(r"^\s+.+?\s+(\d+\.\d+)x\s+<= [\d.]+x\s+(met|NOT met)$", out, re.M)
+    assert len(goals) == 4, out
+    assert plot.stat().st_size > 0
