@@ -5,7 +5,8 @@ into ``len(plan.devices) x plan.chunks`` contiguous stages by the exact min-max 
 of ``passes/split_solver.py`` over the device model's node times, send/recv times of the
 bytes live across each cut, and every device's memory; a model of repeated layers (the
 blocks the tracer stamped, ``node.meta["block"]``) is split between layers, each layer one
-item; the cuts are then moved while the plan's simulated schedule gets faster (``refine``). The result is cut *positions*: the
+item; the cuts are then moved (by whole items) while the plan's simulated schedule gets
+faster (``refine``). The result is cut *positions*: the
 nodes where stages begin, with a reason per stage; ``passes/annotate.annotate_by_cuts``
 turns them into ``node.meta["stage"]`` with the placement rule every split shares.
 """
@@ -27,7 +28,6 @@ from fxpipe.passes.meta import BLOCK, COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.shape_prop import tensor_bytes
 from fxpipe.passes.split_solver import (
-    Split,
     SplitInfeasible,
     SplitProblem,
     ordered_problem_inputs,
@@ -100,16 +100,19 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         in_flight=flight,
         memory=[models[k].spec.memory / devices.count(devices[k]) for k in range(num_stages)],
     )
+    edges = _block_edges(order, num_stages)
+    work, phases, cuts = _by_items(problem, phases, cuts, edges)
     try:
-        split = _solve_by_blocks(problem, order)
+        split = solve(work)
     except SplitInfeasible as err:
-        raise PlanError(_infeasible_message(err, devices, problem, order, flight, m)) from err
+        raise PlanError(_infeasible_message(err, devices, work, [order[e] for e in edges[:-1]], flight, m)) from err
     step_time = _simulated_step(actions, m, models, phases, cuts)
     minmax_step = step_time(split.boundaries)
-    bounds = refine(problem, split.boundaries, step_time)
+    bounds = refine(work, split.boundaries, step_time)
     refined_step = step_time(bounds)
     if refined_step > minmax_step * (1 - REFINE_MIN_GAIN):
         bounds, refined_step = split.boundaries, minmax_step
+    problem = work
     stage_times = [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(num_stages)]
     reasons = [
         f"cost model: {fmt.seconds(t)} per micro-batch (forward+backward+send/recv) on {devices[k]}, "
@@ -124,21 +127,28 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
             f"{fmt.seconds(minmax_step)}) to the predicted best {describe_schedule(plan.schedule)} step with {m} micro-batches ({fmt.seconds(refined_step)})"
         )
     how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
-    return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
+    return AutoSplit([order[edges[b]] for b in bounds[1:-1]], reasons, how)
 
 
-def _solve_by_blocks(problem: SplitProblem, order: list[fx.Node]) -> Split:
-    """The min-max split, solved over repeated blocks (``node.meta["block"]``: the layers the
-    tracer stamped) where they are many enough for the stages (at least
-    ``CLUSTERS_PER_STAGE`` clusters per stage): cuts fall between layers. Else over nodes."""
+def _block_edges(order: list[fx.Node], num_stages: int) -> list[int]:
+    """Where the split's items begin (and ``len(order)`` last): a model of repeated blocks
+    (``node.meta["block"]``: the layers the tracer stamped) has one item per block, where
+    there are at least ``CLUSTERS_PER_STAGE`` per stage, so cuts fall between layers; any
+    other model (or node) is one item per node."""
     starts = [k for k, node in enumerate(order) if k == 0 or node.meta.get(BLOCK) is None or node.meta.get(BLOCK) != order[k - 1].meta.get(BLOCK)]
-    if len(starts) == len(order) or len(starts) < CLUSTERS_PER_STAGE * problem.num_stages:
-        return solve(problem)
-    coarse = solve(problem.clustered(starts))
-    edges = [*starts, len(order)]
-    bounds = [edges[b] for b in coarse.boundaries]
-    K = problem.num_stages
-    return Split(bounds, [problem.stage_time(k, bounds[k], bounds[k + 1]) for k in range(K)], [problem.stage_memory(k, bounds[k], bounds[k + 1]) for k in range(K)])
+    if len(starts) < CLUSTERS_PER_STAGE * num_stages:
+        starts = list(range(len(order)))
+    return [*starts, len(order)]
+
+
+def _by_items(problem: SplitProblem, phases: torch.Tensor, cuts: list[float], edges: list[int]) -> tuple[SplitProblem, torch.Tensor, list[float]]:
+    """The problem, the per-item phase seconds and the cut bytes over the items ``edges``
+    delimit (unchanged when every node is an item)."""
+    if len(edges) == problem.num_items + 1:
+        return problem, phases, cuts
+    index = torch.tensor(edges)
+    summed = torch.cat([torch.zeros_like(phases[:, :1]), phases.cumsum(1)], 1)
+    return problem.clustered(edges[:-1]), summed[:, index[1:]] - summed[:, index[:-1]], [cuts[e] for e in edges]
 
 
 def _state_per_item(graph: fx.Graph, order: list[fx.Node]) -> list[float]:
