@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import sys
 import threading
 import traceback
 import types
@@ -41,25 +40,31 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _symbolic_trace as fx_internals
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.assumed import check_assumed
 from fxpipe.passes.blocks import Blocks, Template, capture, plain_ints, stamp, unwatched, watching
 from fxpipe.passes.fake_replay import FakeReplay
+from fxpipe.passes.fx_untraceable import untraceable_contexts
 from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
 from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS
 from fxpipe.passes.module_state import WriteJournal
 from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
-from fxpipe.passes.ops import draws_random
-from fxpipe.passes.scope import draws_nothing
 from fxpipe.passes.signature import is_constant
 from fxpipe.passes.tags import TagError, opaque_scope
 from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace_errors import first_line, is_internal, user_frame
+from fxpipe.passes.traced_values import (
+    DrawRecorder,
+    caller_line,
+    holds_proxy,
+    input_only_value,
+    names_tensor,
+    real,
+    user_code,
+)
 
 # torch factories whose sizes may be traced values (``torch.ones(x.shape[0], n)``): torch's
 # argument parser does not hand an fx Proxy in a size to __torch_function__, so fx records
@@ -156,7 +161,7 @@ class PipeTracer(fx.Tracer):
         self._root_call = call
         self._answer_isinstance(type(model).forward)
         try:
-            with Interceptor(self._call_opaque_function) as self._calls, _untraceable_contexts(self), self._writes:
+            with Interceptor(self._call_opaque_function) as self._calls, untraceable_contexts(self.tracing_here, self._own_length), self._writes:
                 graph = self.trace(model)
                 output = next(reversed(graph.nodes))
                 with self._fake_run():
@@ -188,7 +193,7 @@ class PipeTracer(fx.Tracer):
         call = self._root_call
         placeholders = [self.create_proxy("placeholder", name, (), {}) for name in call.names]
         self._inputs = {p.node: example for p, example in zip(placeholders, call.examples)}
-        self._given = {p.node: value for p, value in zip(placeholders, call.given) if _real(value)}
+        self._given = {p.node: value for p, value in zip(placeholders, call.given) if real(value)}
         resolve = resolver(self.root)
         self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__)
         if call.batch_of_one is not None:
@@ -278,7 +283,7 @@ class PipeTracer(fx.Tracer):
             fn = getattr(fn, "__wrapped__", None)
 
     def _isinstance(self, obj: Any, classes: Any) -> bool:
-        if type(obj) is _Proxy and _names_tensor(classes) and self.tracing_here():
+        if type(obj) is _Proxy and names_tensor(classes) and self.tracing_here():
             return self.is_tensor(obj) or isinstance(obj, classes)
         return isinstance(obj, classes)
 
@@ -316,9 +321,9 @@ class PipeTracer(fx.Tracer):
         targets), as the example's values take it; either way checked at run time. A branch
         on other tensor values cannot be traced (fx's TraceError)."""
         given = None
-        if _user_code() in self._input_branches:
+        if user_code() in self._input_branches:
             with self._fake_run():  # the inputs' own values, computed for real
-                given = _input_only_value(obj.node, self._given)
+                given = input_only_value(obj.node, self._given)
         value = self._size_value(obj) if given is None else given
         self._assume(obj, bool(value), "the condition")
         return bool(value)
@@ -454,7 +459,7 @@ class PipeTracer(fx.Tracer):
         if isinstance(leaf, nn.Module):
             path = self.submodule_paths.get(leaf) if self.submodule_paths else None
             return None if not path else self.create_proxy("get_attr", path, (), {})
-        if _holds_proxy(leaf):
+        if holds_proxy(leaf):
             raise fx.proxy.TraceError(f"a {type(leaf).__name__} holding traced values cannot be kept in an opaque call")
         return None
 
@@ -502,7 +507,7 @@ class PipeTracer(fx.Tracer):
                 alone = self._shadow.value(proxy.node)
             if alone is not UNKNOWN and alone != value:
                 return  # a size compared for (in)equality that only a batch of one changes
-        line = _caller_line()
+        line = caller_line()
         where = f"{what} at {line}" if line else what
         self.create_proxy("call_function", check_assumed, (proxy, value, where), {})
 
@@ -520,7 +525,7 @@ class PipeTracer(fx.Tracer):
         ``node.meta["opaque_draws"]`` (for the rng pass; one answer per distinct call)."""
         replay = self._example.replay
         runs = replay.runs
-        with opaque_scope(callee.describe()), self._modules_run_by(callee), _DrawRecorder() as recorder:
+        with opaque_scope(callee.describe()), self._modules_run_by(callee), DrawRecorder() as recorder:
             yield
         key = replay.keys.get(node)
         if replay.runs > runs:
@@ -557,152 +562,14 @@ class PipeTracer(fx.Tracer):
             fx_internals._set_is_fx_tracing(was_tracing)
             self._replaying -= 1
 
+    def _own_length(self, proxy: fx.Proxy) -> int | None:
+        return self.length(proxy) if proxy.tracer is self else None
+
     def tracing_here(self) -> bool:
         """Whether the current thread is tracing (not replaying) for this tracer."""
         return threading.get_ident() == self._thread and not self._replaying
 
 
-def _user_code() -> types.CodeType | None:
-    """The code of the innermost frame of the user's code on the stack."""
-    frame = sys._getframe(1)
-    while frame is not None and is_internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame.f_code if frame is not None else None
-
-
-def _names_tensor(classes: Any) -> bool:
-    return classes is torch.Tensor or (type(classes) is tuple and torch.Tensor in classes)
-
-
-def _real(value: Any) -> bool:
-    """Whether every tensor in ``value`` holds real data (not fake, not on the meta device)."""
-    return all(not (isinstance(t, FakeTensor) or t.is_meta) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-
-
-def _input_only_value(node: fx.Node, given: dict[fx.Node, Any]) -> Any:
-    """``node``'s value computed for real from the call's own inputs when it depends on
-    them alone (no parameter, buffer or module: a check of the inputs), else None."""
-    needed, stack = {node}, [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in needed:
-                needed.add(arg)
-                stack.append(arg)
-    if any(n.op in ("get_attr", "call_module") or (n.op == "placeholder" and n not in given) for n in needed):
-        return None
-    values: dict[fx.Node, Any] = {}
-    with torch.no_grad():
-        for n in node.graph.nodes:
-            if n not in needed:
-                continue
-            if n.op == "placeholder":
-                values[n] = given[n]
-                continue
-            args, kwargs = fx.map_arg((n.args, n.kwargs), values.__getitem__)
-            values[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
-    return values[node]
-
-
-def _holds_proxy(value: Any, depth: int = 3) -> bool:
-    """Whether an object kept in an opaque call reaches a traced value (through a closure, a
-    partial's arguments or its attributes): at run time it would hand that proxy over."""
-    if isinstance(value, fx.Proxy):
-        return True
-    if depth == 0 or is_constant(value) or isinstance(value, nn.Module | torch.Tensor | type):
-        return False
-    if isinstance(value, types.FunctionType):
-        inner = [c.cell_contents for c in value.__closure__ or () if c.cell_contents is not value] if _cells_full(value) else []
-    elif isinstance(value, functools.partial):
-        inner = [value.func, *value.args, *value.keywords.values()]
-    elif isinstance(value, list | tuple | set | dict):
-        inner = list(value.values()) if isinstance(value, dict) else list(value)
-    else:
-        inner = list(getattr(value, "__dict__", {}).values())
-    return any(_holds_proxy(v, depth - 1) for v in inner)
-
-
-def _cells_full(fn: types.FunctionType) -> bool:
-    try:
-        for cell in fn.__closure__ or ():
-            cell.cell_contents  # noqa: B018 - raises ValueError for an empty cell
-    except ValueError:
-        return False
-    return True
-
-
 def _callee(name: str, kind: str, err: BaseException, modules: set[str]) -> OpaqueCallee:
     line = user_frame(err)
     return OpaqueCallee(name, kind, first_line(err), f"{line[0]}: `{line[1]}`" if line else "", modules)
-
-
-def _caller_line() -> str:
-    """``file:line: `code``` of the innermost frame of the user's code on the stack."""
-    frame = sys._getframe(2)
-    while frame is not None and is_internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    summary = traceback.extract_stack(frame, limit=1)[0]
-    return f"{summary.filename}:{summary.lineno}: `{(summary.line or '').strip()}`"
-
-
-class _DrawRecorder(TorchDispatchMode):
-    """Whether any random op runs inside (dropout with p=0 and attention without dropout
-    do not count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.drew = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if not self.drew and draws_random(func) and not draws_nothing(func, args, kwargs):
-            self.drew = True
-        return func(*args, **kwargs)
-
-
-# ---------------------------------------------------------------- untraceable contexts
-class UntraceableContext(RuntimeError):
-    """forward changes or reads grad mode or autocast, which fx cannot record."""
-
-
-@contextlib.contextmanager
-def _untraceable_contexts(tracer: PipeTracer) -> Iterator[None]:
-    """While ``tracer`` traces, entering ``torch.no_grad``/``enable_grad``/``inference_mode``/
-    ``torch.autocast`` or reading grad mode or autocast raises UntraceableContext, so the
-    enclosing function or module runs whole (and behaves as in eager); ``len()`` of any of its
-    proxies (fx's ``Attribute`` proxies too) is answered from the example."""
-
-    def refuse(what: str, original: Callable, internal_ok: bool) -> Callable:
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if tracer.tracing_here() and not (internal_ok and is_internal(sys._getframe(1).f_code.co_filename)):
-                raise UntraceableContext(f"{what} inside forward: fx cannot record a change of grad mode or autocast")
-            return original(*args, **kwargs)
-
-        return guarded
-
-    patches = [
-        (fx.Proxy, "__len__", "len", False),  # every proxy, fx's Attribute ones too: len() from the example
-        (torch.amp.autocast_mode.autocast, "__enter__", "with torch.autocast(...)", False),
-        (torch.autograd.grad_mode.no_grad, "__enter__", "with torch.no_grad()", False),
-        (torch.autograd.grad_mode.enable_grad, "__enter__", "with torch.enable_grad()", False),
-        (torch.autograd.grad_mode.inference_mode, "__enter__", "with torch.inference_mode()", False),
-        (torch.autograd.grad_mode.set_grad_enabled, "__init__", "torch.set_grad_enabled(...)", False),
-        (torch, "is_autocast_enabled", "torch.is_autocast_enabled()", True),
-        (torch, "is_grad_enabled", "torch.is_grad_enabled()", True),
-    ]
-    def length(proxy: fx.Proxy) -> int:
-        if tracer.tracing_here() and proxy.tracer is tracer:
-            return tracer.length(proxy)
-        return original_len(proxy)
-
-    original_len = fx.Proxy.__len__
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
-    try:
-        for owner, name, what, internal_ok in patches:
-            setattr(owner, name, length if what == "len" else refuse(what, getattr(owner, name), internal_ok))
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
