@@ -7,9 +7,9 @@ curve has somewhere to go. Batches come bucketed by length, as LM data loaders d
 batch has its own sequence length (``--lengths``), and each epoch ends on a short batch.
 
 The pipeline is two stages cut at ``transformer.h.<layers/2>`` (or ``--split auto``),
-1F1B over 4 micro-batches. fxpipe traces GPT-2 with torch.export at the shapes it is
-given and compiles once per input signature (sequence length, micro-batch size), keeping
-the stage boundaries where the first signature put them. The script draws the split
+1F1B over 4 micro-batches. fxpipe traces GPT-2 with torch.fx (its default frontend),
+following the sequence length it is given, and compiles once per input signature
+(sequence length), keeping the stage boundaries where the first signature put them. The script draws the split
 (``--draw``); an eager copy trains on the same batches; it prints both losses, the largest
 difference and the pipeline's summary. Exit status 1 when a step's losses differ by more than 1e-4.
 

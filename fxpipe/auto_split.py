@@ -3,8 +3,10 @@
 The compute nodes, in program order (a topological order of the data flow), are split
 into ``len(plan.devices) x plan.chunks`` contiguous stages by the exact min-max partitioner
 of ``passes/split_solver.py`` over the device model's node times, send/recv times of the
-bytes live across each cut, and every device's memory; the cuts are then moved while the
-plan's simulated schedule gets faster (``refine``). The result is cut *positions*: the
+bytes live across each cut, and every device's memory; a model of repeated layers (the
+blocks the tracer stamped, ``node.meta["block"]``) is split between layers, each layer one
+item; the cuts are then moved (by whole items) while the plan's simulated schedule gets
+faster (``refine``). The result is cut *positions*: the
 nodes where stages begin, with a reason per stage; ``passes/annotate.annotate_by_cuts``
 turns them into ``node.meta["stage"]`` with the placement rule every split shares.
 """
@@ -23,7 +25,7 @@ from fxpipe import format as fmt
 from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
 from fxpipe.estimates import in_flight, measured_device, play
 from fxpipe.passes.annotate import AnnotateError
-from fxpipe.passes.meta import COMPUTE_OPS, MEASURED, VAL
+from fxpipe.passes.meta import BLOCK, COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.shape_prop import tensor_bytes
 from fxpipe.passes.split_solver import (
@@ -39,6 +41,8 @@ from fxpipe.schedules import Schedule, describe_schedule, stage_workers
 # the exact min-max split gives way to the schedule-refined one only when the simulated
 # step is at least this much shorter: smaller gains are far below the model's error
 REFINE_MIN_GAIN = 0.01
+# repeated blocks (layers) are the split's items when there are at least this many per stage
+CLUSTERS_PER_STAGE = 4
 
 
 @dataclass
@@ -84,8 +88,16 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
     )  # stages x nodes x (forward, input gradient, weight gradient)
     flight = in_flight(plan, actions, num_stages)
     problem_for = _problems(graph, order, phases, cuts, models, devices, m, flight)
-    problem, split = _solve(plan, problem_for, lambda err, problem, held: _infeasible_message(err, devices, problem, order, held, m), flight)
-    step_time = _simulated_step(actions, m, models, phases, cuts)
+    edges = _block_edges(order, num_stages)  # one item per stamped layer where there are enough
+    _, item_phases, item_cuts = _by_items(problem_for(False), phases, cuts, edges)
+    items = [order[e] for e in edges[:-1]]
+    problem, split = _solve(
+        plan,
+        lambda recompute: _by_items(problem_for(recompute), phases, cuts, edges)[0],
+        lambda err, problem, held: _infeasible_message(err, devices, problem, items, held, m),
+        flight,
+    )
+    step_time = _simulated_step(actions, m, models, item_phases, item_cuts)
     minmax_step = step_time(split.boundaries)
     bounds = refine(problem, split.boundaries, step_time)
     refined_step = step_time(bounds)
@@ -99,7 +111,28 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
             f"{fmt.seconds(minmax_step)}) to the predicted best {describe_schedule(plan.schedule)} step with {m} micro-batches ({fmt.seconds(refined_step)})"
         )
     how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
-    return AutoSplit([order[b] for b in bounds[1:-1]], reasons, how)
+    return AutoSplit([order[edges[b]] for b in bounds[1:-1]], reasons, how)
+
+
+def _block_edges(order: list[fx.Node], num_stages: int) -> list[int]:
+    """Where the split's items begin (and ``len(order)`` last): a model of repeated blocks
+    (``node.meta["block"]``: the layers the tracer stamped) has one item per block, where
+    there are at least ``CLUSTERS_PER_STAGE`` per stage, so cuts fall between layers; any
+    other model (or node) is one item per node."""
+    starts = [k for k, node in enumerate(order) if k == 0 or node.meta.get(BLOCK) is None or node.meta.get(BLOCK) != order[k - 1].meta.get(BLOCK)]
+    if len(starts) < CLUSTERS_PER_STAGE * num_stages:
+        starts = list(range(len(order)))
+    return [*starts, len(order)]
+
+
+def _by_items(problem: SplitProblem, phases: torch.Tensor, cuts: list[float], edges: list[int]) -> tuple[SplitProblem, torch.Tensor, list[float]]:
+    """The problem, the per-item phase seconds and the cut bytes over the items ``edges``
+    delimit (unchanged when every node is an item)."""
+    if len(edges) == problem.num_items + 1:
+        return problem, phases, cuts
+    index = torch.tensor(edges)
+    summed = torch.cat([torch.zeros_like(phases[:, :1]), phases.cumsum(1)], 1)
+    return problem.clustered(edges[:-1]), summed[:, index[1:]] - summed[:, index[:-1]], [cuts[e] for e in edges]
 
 
 def _problems(

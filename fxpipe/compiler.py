@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpipe import microbatch
 from fxpipe.auto_split import auto_split
 from fxpipe.cost_model import Calibration
 from fxpipe.loss_scale import model_losses
@@ -26,15 +28,16 @@ from fxpipe.partitioned import Partitioned
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
+from fxpipe.passes.fake_replay import replay
 from fxpipe.passes.generalise import check_generalises
 from fxpipe.passes.input_slice import input_slice, output_inputs
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
-from fxpipe.passes.shape_prop import propagate_shapes
+from fxpipe.passes.shape_prop import propagate_shapes, record_values
 from fxpipe.passes.targets import lookup, resolver
-from fxpipe.passes.trace import trace
+from fxpipe.passes.trace import quiet_attempt, trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
@@ -108,8 +111,13 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
             "propagates their shapes on fake tensors to size every stage and edge"
         ) from None
     progress.phase("shapes and costs")
-    fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
+    if traced.replay is not None:  # the fx frontend replayed the example while tracing
+        fake_run = traced.replay
+        record_values(fake_run)
+    else:
+        fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
     annotate_costs(gm.graph, resolve, fake_run)
+    _check_cut_fits(gm, resolve, plan, model, example_inputs, kwargs, example)
     if profile is not None:
         profile.apply(gm.graph)
     progress.phase("split")
@@ -124,6 +132,40 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
         progress.phase("memory plan")
         plan_memory(part)
     return part
+
+
+def _check_cut_fits(gm, resolve: Callable[[str], Any], plan: Plan, model: nn.Module, args: tuple, kwargs: dict, example: list) -> None:
+    """Micro-batches cut every tensor along dim 0 where the first tensor's dim 0 is. When that
+    first tensor sits in a list (a detection model's list of images: one tensor per sample),
+    dim 0 may not be the batch: the graph is replayed on the first micro-batch on fake
+    tensors, and a cut it cannot run is a PlanError saying what to do instead."""
+    if plan.microbatches == 1 or not _batch_in_a_list(model, args, kwargs):
+        return
+    try:
+        first = microbatch.split(example, plan.microbatches)[0][0]
+        with quiet_attempt():
+            replay(gm, _on_model_device(model, first), resolve)
+    except Exception as err:  # noqa: BLE001 - any failure: the cut does not fit the model
+        text = str(err).strip().splitlines()
+        raise PlanError(
+            f"plan.microbatches = {plan.microbatches} cuts every input tensor along dim 0, but "
+            f"{type(model).__name__} takes its batch as a list of tensors (one per sample), whose dim 0 is not the "
+            f"batch: the model fails on such a micro-batch ({type(err).__name__}: {text[0] if text else ''}). "
+            "A list is not cut into micro-batches: use Plan(microbatches=1) and one step() per micro-batch "
+            "(a sub-list of the samples; gradients accumulate as eager's over the same sub-lists)"
+        ) from None
+
+
+def _batch_in_a_list(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the call's first argument holding a tensor is a list."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    for value in bound.arguments.values():
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
+            return isinstance(value, list)
+    return False
 
 
 def partition_like(
@@ -273,6 +315,7 @@ def _cut(
         example_inputs, example_kwargs, list(traced.notes), workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
         model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
+        opaque=list(traced.opaque),
     )
 
 

@@ -36,4 +36,4 @@ def device_guard(device: str) -> AbstractContextManager[None]:
     except DeviceError as err:
         # raised here, not inside normalize_device: the traceback ends at the user's line
         raise DeviceGuardError(str(err)) from None
-    return tagged(name) if is_tracing() else contextlib.nullcontext()
+    return tagged(name, where) if is_tracing() else contextlib.nullcontext()

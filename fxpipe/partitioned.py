@@ -42,7 +42,9 @@ class Partitioned:
     ``fxpipe.profile`` measured, if a profile was given; model_losses: the loss calls the
     last stage makes (a model computing its own loss), with the slice that computes their
     targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None;
-    output_inputs: per output leaf, the model inputs (flat positions) it depends on.
+    output_inputs: per output leaf, the model inputs (flat positions) it depends on;
+    opaque: the callees the fx frontend runs whole (``fxpipe.passes.opaque.OpaqueCallee``:
+    name, why, where fx stopped), listed by summary() and explain().
     """
 
     plan: Plan
@@ -62,6 +64,7 @@ class Partitioned:
     calibration: Calibration | None = None
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
+<<<<<<< HEAD
     # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
     profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -103,6 +106,9 @@ class Partitioned:
         fields kept); raises PlanError (PlanScheduleError) for a schedule the plan rejects.
         Call :meth:`actions` to know whether it runs them where they were placed."""
         return dataclasses.replace(self, plan=self.plan.replace(schedule=schedule, microbatches=microbatches))
+=======
+    opaque: list[Any] = field(default_factory=list)
+>>>>>>> trace
 
     @property
     def num_workers(self) -> int:
@@ -174,7 +180,14 @@ class Partitioned:
             "FLOPs: forward, full example batch; predicted: forward+backward+send/recv of one micro-batch; "
             "memory: parameters, gradients, optimizer state and the activation peak (see docs/cost-model.md)"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + self._opaque_lines())
+
+    def _opaque_lines(self) -> list[str]:
+        """The callees run whole (fx could not trace into them), one line each with the reason."""
+        if not self.opaque:
+            return []
+        head = f"run whole (opaque: torch.fx could not trace into them): {len(self.opaque)}"
+        return [head] + [f"  {callee.describe()}" for callee in self.opaque]
 
     def explain(self) -> str:
         """Why each stage holds its nodes (tag, split point, cost model), the modules it
@@ -195,9 +208,17 @@ class Partitioned:
                 f"(state {fmt.nbytes(est.state_bytes)} + activations {fmt.nbytes(est.activation_peak)} at their peak, "
                 f"{est.in_flight} micro-batch(es) in flight; keeps {describe_choice(s.recompute, s.offload)})"
             )
+<<<<<<< HEAD
             lines += [f"    recv from stage {e.src}: {value(e)}" for e in s.inputs]
             lines += [f"    send to stage {e.dst}: {value(e)}" for e in s.outputs]
         return "\n".join(lines)
+=======
+            for e in s.inputs:
+                lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")
+            for e in s.outputs:
+                lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({fmt.nbytes(e.nbytes)})")
+        return "\n".join(lines + self._opaque_lines())
+>>>>>>> trace
 
     def estimates(self, microbatches: int | None = None, choices: StageChoices | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from

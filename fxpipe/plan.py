@@ -99,7 +99,8 @@ class Plan:
         with an error naming the stage, action, micro-batch and edge. Off by default, so a
         run that diverges behaves as eager does (a NaN loss comes back, nothing raises);
         each check costs a pass over the tensor and a host synchronisation.
-    frontend: "auto" (torch.fx, falling back to torch.export), "fx" or "export".
+    frontend: "auto" (torch.fx for every model, what it cannot trace run whole as opaque
+        calls; torch.export when fx fails outright), "fx" or "export".
     leaf_modules: module classes or qualified names the fx tracer keeps as single calls.
     concrete_args: forward arguments fixed while tracing with fx (torch.fx semantics).
     output_merge: how to merge each tensor output whose dim 0 is not the batch (a 0-d

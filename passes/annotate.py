@@ -1,7 +1,7 @@
 """Annotate pass: every node gets the pipeline stage that will run it.
 
 Reads ``node.meta["custom"]["fxpipe_device"]`` (device_guard tags) and
-``node.meta["module_path"]`` (written by the trace pass).
+``node.meta["module_path"]`` and ``node.meta["opaque"]`` (written by the trace pass).
 Writes ``node.meta["stage"]`` (int, 0-based, non-decreasing along every edge) and
 ``node.meta["stage_reason"]`` (why the node is there, for ``explain()``).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, REASON, STAGE
+from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, OPAQUE, REASON, STAGE
 from fxpipe.passes.tags import has_tags, tag_of
 
 __all__ = ["COMPUTE_OPS", "REASON", "STAGE", "Anchor", "AnnotateError", "StageAssignment", "anchors", "annotate_by_anchors", "has_tags", "tag_of"]
@@ -84,6 +84,7 @@ def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known
             None,
         )
         if first is None:
+            _check_not_inside_opaque(nodes, i, path)
             raise AnnotateError(f"plan.split[{i}] = {path!r} is never called in forward(); pick a module that runs")
         if starts and first <= starts[-1]:
             raise AnnotateError(
@@ -97,6 +98,20 @@ def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known
     reasons = ["before the first split point"] + [f"from split point {p!r}" for p in split_points]
     _check_nonempty(graph, len(starts) + 1, "plan.split")
     return StageAssignment(len(starts) + 1, None, reasons)
+
+
+def _check_not_inside_opaque(nodes: list[fx.Node], index: int, path: str) -> None:
+    """Raise AnnotateError when split point ``path`` runs inside a call the trace runs whole
+    (``node.meta["opaque"]``): no stage can begin inside it."""
+    for node in nodes:
+        callee = node.meta.get(OPAQUE)
+        if callee is not None and callee.contains(path):
+            raise AnnotateError(
+                f"plan.split[{index}] = {path!r} runs inside {callee.name}, which fxpipe runs as one opaque call "
+                f"because torch.fx could not trace into it ({callee.reason}{f' at {callee.line}' if callee.line else ''}); "
+                f"split at {node.meta.get(MODULE_PATH) or 'a module'} or outside it, or make it traceable "
+                "(or trace with Plan(frontend='export'))"
+            )
 
 
 def annotate_by_cuts(graph: fx.Graph, starts: Sequence[fx.Node], reasons: Sequence[str], how: str) -> StageAssignment:

@@ -26,17 +26,24 @@ Reads the graph only (``node.meta`` is not written here).
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.targets import resolver
@@ -121,7 +128,9 @@ class FakeReplay:
     FakeTensorMode to run in (one whose fakes the graph's modules already hold), else a new one.
     After :meth:`run`: ``values`` maps every node run to its value, ``keys`` every compute
     node to its key (nodes with equal keys compute alike), ``templates`` every compute node
-    to its OutputTemplate, and ``runs`` counts the compute nodes that really ran.
+    to its OutputTemplate, ``runs`` counts the compute nodes that really ran, and
+    ``estimated`` holds the nodes that could not run on fake tensors (data-dependent) and
+    ran for real on zeros: their sizes are those zeros gave, not facts.
     """
 
     def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None) -> None:
@@ -136,6 +145,9 @@ class FakeReplay:
         self._signatures: dict[int, tuple[Any, Hashable]] = {}  # id(module) -> (module, signature)
         self._made: set[int] = set()  # ids of template-built leaves that require grad
         self._context: Hashable = ()  # grad mode and autocast of the current run
+        self.estimated: set[fx.Node] = set()  # nodes whose value came from a real run on zeros
+        self._estimated_keys: set[Hashable] = set()
+        self._ran_for_real = False
 
     def run(
         self,
@@ -150,27 +162,39 @@ class FakeReplay:
         every 64 nodes. Raises what a node raises on fake tensors, with a note naming it.
         """
         resolve = resolve or resolver(gm)
-        # a template holds for the grad mode and autocast it was made under
-        self._context = (torch.is_grad_enabled(), *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
         nodes = list(gm.graph.nodes)
         pending = iter(inputs)
         output = None
-        with self.mode:
-            for k, node in enumerate(nodes):
-                if progress is not None and k % 64 == 0:
-                    progress(k, len(nodes))
-                if node.op == "placeholder":
-                    value = self._placeholder(node, pending)
-                elif node.op == "get_attr":
-                    value = self.fake(resolve(node.target))
-                elif node.op == "output":
-                    value = output = fx.map_arg(node.args[0], self.values.__getitem__)
-                else:
-                    value = self._compute(node, resolve)
-                self.values[node] = value
+        for k, node in enumerate(nodes):
+            if progress is not None and k % 64 == 0:
+                progress(k, len(nodes))
+            if node.op == "placeholder":
+                self.step(node, resolve, self._placeholder(node, pending))
+            else:
+                self.step(node, resolve)
+            if node.op == "output":
+                output = self.values[node]
         if progress is not None:
             progress(len(nodes), len(nodes))
         return output
+
+    def step(self, node: fx.Node, resolve: Callable[[str], Any], value: Any = None) -> Any:
+        """Run one node whose inputs have run (a placeholder takes ``value``, faked); records
+        and returns its value. Runs in the caller's grad mode and autocast; raises what the
+        node raises on fake tensors, with a note naming it."""
+        # a template holds for the grad mode and autocast it was made under
+        self._context = (torch.is_grad_enabled(), *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+        with self.mode:
+            if node.op == "placeholder":
+                value = pytree.tree_map_only(torch.Tensor, self._input, value)
+            elif node.op == "get_attr":
+                value = self.fake(resolve(node.target))
+            elif node.op == "output":
+                value = fx.map_arg(node.args[0], self.values.__getitem__)
+            else:
+                value = self._compute(node, resolve)
+        self.values[node] = value
+        return value
 
     def fake(self, value: Any) -> Any:
         """``value`` with every tensor replaced by its fake (one fake per real tensor, so
@@ -183,22 +207,7 @@ class FakeReplay:
             return entry[1]
         if isinstance(value, list | tuple | dict):
             return pytree.tree_map_only(torch.Tensor, self.fake, value)
-        if isinstance(value, torch.nn.Module) and self.device is not None and any(t.is_meta for _, t in _module_tensors(value)):
-            return self._faked_module(value)
         return value
-
-    def _faked_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """A copy of a module handed to a function as a value (a keyed-randomness scope's
-        callee) whose meta tensors are this replay's fakes on its device (one copy per module)."""
-        entry = self._fakes.get(id(module))
-        if entry is None:
-            memo: dict[int, Any] = {}
-            for _, t in _module_tensors(module):
-                fake = self.fake(t)
-                memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
-            entry = (module, copy.deepcopy(module, memo))
-            self._fakes[id(module)] = entry
-        return entry[1]
 
     def fake_like(self, t: torch.Tensor, requires_grad: bool | None = None) -> torch.Tensor:
         """A new fake tensor with ``t``'s shape, strides, dtype and device (the replay's
@@ -223,15 +232,32 @@ class FakeReplay:
             except Exception:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
                 return self._run_for_real(module, args, kwargs)
         if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
+            with self._modules_faked((args, kwargs)):
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+        try:
+            with self._modules_faked((args, kwargs)):
+                return node.target(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            # an opaque call with a branch on tensor values: its shapes from a real run
+            return self._run_for_real(node.target, args, kwargs)
+
+    @contextlib.contextmanager
+    def _modules_faked(self, value: Any) -> Iterator[None]:
+        """Modules handed to a function as values (an opaque callee's ``self``, a keyed
+        scope's callee) hold this replay's fakes of their tensors for the call."""
+        modules = [m for m in pytree.tree_leaves(value) if isinstance(m, torch.nn.Module)]
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                state = {name: self.fake(t) for name, t in _module_tensors(module)}
+                stack.enter_context(_reparametrize_module(module, state, tie_weights=True, strict=False))
+            yield
 
     # ------------------------------------------------------------------ internals
     def _placeholder(self, node: fx.Node, pending: Any) -> Any:
         if str(node.target).startswith("*"):
-            return pytree.tree_map_only(torch.Tensor, self._input, list(pending))
+            return list(pending)
         try:
-            return pytree.tree_map_only(torch.Tensor, self._input, next(pending))
+            return next(pending)
         except StopIteration:
             if node.args:
                 return node.args[0]
@@ -249,18 +275,24 @@ class FakeReplay:
         args = fx.map_arg(node.args, self.values.__getitem__)
         kwargs = fx.map_arg(node.kwargs, self.values.__getitem__)
         tensors: list[torch.Tensor] = []
-        key = (self._context, self._target(node, resolve), _describe(args, tensors), _describe(kwargs, tensors))
+        key = (self._context, self._target(node, resolve), _describe(args, tensors, self._signature), _describe(kwargs, tensors, self._signature))
         self.keys[node] = key
         template = self._memo.get(key)
         if template is not None:
             self.templates[node] = template
+            if key in self._estimated_keys:
+                self.estimated.add(node)
             return self._build(template, tensors)
         args, kwargs = self._writable((args, kwargs))
         tensors = input_tensors(args, kwargs)
         versions = [t._version for t in tensors]
         self.runs += 1
+        self._ran_for_real = False
         try:
             out = self.execute(node, args, kwargs, resolve)
+            if self._ran_for_real:
+                self.estimated.add(node)
+                self._estimated_keys.add(key)
         except Exception as err:
             if hasattr(err, "add_note"):  # Python 3.11+
                 where = node.meta.get(MODULE_PATH)
@@ -274,13 +306,16 @@ class FakeReplay:
 
     def _target(self, node: fx.Node, resolve: Callable[[str], Any]) -> Hashable:
         if node.op == "call_module":
-            module = resolve(node.target)
-            entry = self._signatures.get(id(module))
-            if entry is None:
-                entry = (module, module_signature(module))
-                self._signatures[id(module)] = entry
-            return ("call_module", entry[1])
+            return ("call_module", self._signature(resolve(node.target)))
         return (node.op, _hashable(node.target))
+
+    def _signature(self, module: torch.nn.Module) -> Hashable:
+        """``module_signature(module)``, computed once per module."""
+        entry = self._signatures.get(id(module))
+        if entry is None:
+            entry = (module, module_signature(module))
+            self._signatures[id(module)] = entry
+        return entry[1]
 
     def _new(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device, requires_grad: bool, track: bool) -> torch.Tensor:
         """A fake tensor built directly rather than through the fake mode's dispatch (~10x
@@ -320,13 +355,27 @@ class FakeReplay:
 
         return pytree.tree_map_only(torch.Tensor, clone, value)
 
-    def _run_for_real(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Run a copy of one module on zero tensors of the right shapes; fake the result."""
-        with unset_fake_temporarily():
-            real = pytree.tree_map_only(torch.Tensor, _zeros_like, (args, kwargs))
+    def _run_for_real(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run ``fn`` for real on zero tensors of the right shapes and fake the result: for a
+        call that cannot run on fake tensors (data-dependent control flow), whose shapes are
+        then those of the branch zeros take. Modules (``fn`` itself, or among its arguments)
+        run on copies of their tensors and the global RNG is restored, so nothing of the
+        model changes. An output requires grad where an input or a parameter does (as
+        autograd would make it)."""
+        self._ran_for_real = True
+        modules = [m for m in pytree.tree_leaves((fn, args, kwargs)) if isinstance(m, torch.nn.Module)]
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors += [t for m in modules for t in m.parameters()]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+            copies: dict[int, torch.Tensor] = {}
+            for module in modules:
+                state = {name: copies.setdefault(id(t), _real_copy(t)) for name, t in _module_tensors(module)}
+                stack.enter_context(_reparametrize_module(module, state, tie_weights=True, strict=False))
+            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _zeros_like, (args, kwargs))
             with torch.no_grad():
-                out = copy.deepcopy(module)(*real[0], **real[1])
-        return pytree.tree_map_only(torch.Tensor, self.fake_like, out)
+                out = fn(*real_args, **real_kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: self.fake_like(t, requires_grad=needs_grad and t.is_floating_point()), out)
 
 
 def replay(
@@ -363,8 +412,9 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout)
 
 
-def _describe(value: Any, tensors: list[torch.Tensor]) -> Hashable:
-    """A hashable description of a call argument; collects its distinct tensors in order."""
+def _describe(value: Any, tensors: list[torch.Tensor], module_key: Callable[[torch.nn.Module], Hashable] = id) -> Hashable:
+    """A hashable description of a call argument; collects its distinct tensors in order.
+    A module handed over as a value is described by ``module_key`` (default: identity)."""
     if isinstance(value, torch.Tensor):
         for j, seen in enumerate(tensors):
             if seen is value:
@@ -372,11 +422,13 @@ def _describe(value: Any, tensors: list[torch.Tensor]) -> Hashable:
         tensors.append(value)
         return _tensor_meta(value)
     if isinstance(value, list | tuple):
-        return (type(value), tuple(_describe(v, tensors) for v in value))
+        return (type(value), tuple(_describe(v, tensors, module_key) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple((k, _describe(v, tensors)) for k, v in value.items()))
+        return (dict, tuple((k, _describe(v, tensors, module_key)) for k, v in value.items()))
     if isinstance(value, slice):
-        return (slice, _describe((value.start, value.stop, value.step), tensors))
+        return (slice, _describe((value.start, value.stop, value.step), tensors, module_key))
+    if isinstance(value, torch.nn.Module):
+        return ("module", module_key(value))
     return (type(value), _hashable(value))
 
 
@@ -444,10 +496,10 @@ def _tensor_template(leaf: torch.Tensor, tensors: list[torch.Tensor], storages: 
     storage = _storage(leaf)
     if storage is not None:
         for j, s in enumerate(storages):
-            if s == storage:
+            if s is not None and s == storage:
                 return TensorTemplate(*meta, ("in", j), written=tensors[j]._version != versions[j])
         for k, (_, s) in enumerate(made):
-            if s == storage:
+            if s is not None and s == storage:
                 return TensorTemplate(*meta, ("out", k))
     return TensorTemplate(*meta)
 
@@ -456,6 +508,14 @@ def _is_constant(value: Any) -> bool:
     if isinstance(value, _CONSTANTS):
         return True
     return isinstance(value, tuple) and all(isinstance(v, _CONSTANTS) for v in value)
+
+
+def _real_copy(t: torch.Tensor) -> torch.Tensor:
+    """A real copy of a module's tensor (zeros for one on the meta device or faked: a
+    skeleton's, whose values nobody has)."""
+    if t.is_meta or isinstance(t, FakeTensor):
+        return _zeros_like(t)
+    return t.detach().clone()
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:

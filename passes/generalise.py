@@ -30,8 +30,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.passes.meta import MODULE_PATH, VAL
+from fxpipe.passes.module_state import preserved_module_state
 from fxpipe.passes.shape_prop import describe, propagate_shapes
-from fxpipe.passes.trace import Traced, TraceError, preserved_module_state, user_line
+from fxpipe.passes.trace_errors import user_line
+from fxpipe.passes.traced import Traced, TraceError
 
 
 class TraceMismatch(TraceError):

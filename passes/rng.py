@@ -17,7 +17,9 @@ recompute draws new masks. Instead, the compiler gives the randomness an explici
    - the dropout family and ``scaled_dot_product_attention``, which take no generator,
      become the keyed functions of ``passes/keyed.py`` with the same arguments;
    - an opaque callee (a call_module of ``nn.MultiheadAttention``, a user leaf module, a
-     Python function fx kept whole) runs under ``scope.call`` / ``scope.scoped`` (see
+     Python function fx kept whole, a module or function the fx frontend runs whole because
+     it cannot trace into it: ``node.meta["opaque"]``, keyed when it drew random numbers
+     in its fake run) runs under ``scope.call`` / ``scope.scoped`` (see
      ``passes/scope.py``): a dispatch mode routes the random ops inside, around that call
      only.
 
@@ -42,8 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.passes import keyed, scope
-from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED, VAL
+from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS, RNG_KEY, RNG_SEED, VAL
 from fxpipe.passes.mode import TrainingFlag
+from fxpipe.passes.opaque import OpaqueCall
 from fxpipe.passes.ops import draws_random, generator_overload, overloads_of
 
 aten = torch.ops.aten
@@ -174,6 +177,11 @@ def _keying(node: fx.Node, root: nn.Module | None) -> _Keying | None:
     if node.op not in ("call_function", "call_method", "call_module") or node.kwargs.get("generator") is not None:
         return None
     target = node.target
+    if OPAQUE in node.meta and (node.op == "call_module" or isinstance(target, OpaqueCall)):
+        # run whole by the fx frontend: keyed in a scope if it drew random numbers when traced
+        if not node.meta.get(OPAQUE_DRAWS, True):
+            return None
+        return _Keying("module") if node.op == "call_module" else _Keying("scope")
     if node.op == "call_module":
         if root is None:
             raise ValueError(f"node '{node.name}' calls module '{target}': pass the graph's root module")

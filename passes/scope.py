@@ -67,7 +67,7 @@ class KeyedScope(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not draws_random(func) or kwargs.get("generator") is not None or _no_dropout(func, args, kwargs):
+        if not draws_random(func) or kwargs.get("generator") is not None or draws_nothing(func, args, kwargs):
             return func(*args, **kwargs)
         if func is aten.native_dropout.default:
             return native_dropout(*args, **kwargs, generator=self._next(args[0]))
@@ -78,12 +78,12 @@ class KeyedScope(TorchDispatchMode):
         return keyed(*args, **kwargs, generator=self._next(_where(args, kwargs)))
 
 
-def _no_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
-    """An attention kernel called with ``dropout_p=0`` draws nothing (it is tagged random for
-    when it does)."""
+def draws_nothing(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a random op is called with a probability of 0 (a dropout's ``p``, an attention
+    kernel's ``dropout_p``), so it draws nothing (it is tagged random for when it does)."""
     for position, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            value = args[position] if position < len(args) else kwargs.get("dropout_p", argument.default_value)
+        if argument.name in ("p", "dropout_p"):
+            value = args[position] if position < len(args) else kwargs.get(argument.name, argument.default_value)
             return value == 0
     return False
 

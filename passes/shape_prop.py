@@ -38,9 +38,15 @@ def propagate_shapes(
     pass. Raises what a node raises on fake tensors (a note names the node).
     """
     fake_run = replay(gm, inputs, resolve, progress=progress, mode=mode)
+    record_values(fake_run)
+    return fake_run
+
+
+def record_values(fake_run: FakeReplay) -> None:
+    """Write ``node.meta["val"]`` from a replay that already ran (the fx frontend's, made
+    while tracing on the same example)."""
     for node, value in fake_run.values.items():
         node.meta[VAL] = value
-    return fake_run
 
 
 def tensor_bytes(value: Any) -> int:

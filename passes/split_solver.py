@@ -113,6 +113,24 @@ class SplitProblem:
         """The slowest stage's time for ``boundaries`` (``K + 1`` values, 0 first, N last)."""
         return max(self.stage_time(k, boundaries[k], boundaries[k + 1]) for k in range(self.num_stages))
 
+    def clustered(self, starts: Sequence[int]) -> SplitProblem:
+        """The same problem over clusters of consecutive items (cluster ``c`` holds items
+        ``[starts[c], starts[c + 1])``; ``starts[0] == 0``): cuts only between clusters, each
+        cluster's time, state and activations the sum of its items'. A split of it maps back
+        to this problem's items through ``starts`` (plus ``N`` at the end)."""
+        edges = torch.tensor([*starts, self.num_items])
+        return SplitProblem(
+            item_time=self._T[:, edges[1:]] - self._T[:, edges[:-1]],
+            cut_bytes=self.cut_bytes[edges],
+            recv_per_byte=self.recv_per_byte,
+            send_per_byte=self.send_per_byte,
+            fixed_time=self.fixed_time,
+            state_bytes=self._S[edges[1:]] - self._S[edges[:-1]],
+            activation_bytes=self._A[edges[1:]] - self._A[edges[:-1]],
+            in_flight=self.in_flight,
+            memory=self.memory,
+        )
+
 
 @dataclass
 class Split:

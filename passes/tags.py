@@ -46,8 +46,29 @@ def is_tracing() -> bool:
 
 
 @contextlib.contextmanager
-def tagged(device: str) -> Iterator[None]:
-    """Tag every node created inside with ``device`` (a canonical device name)."""
+def opaque_scope(callee: str) -> Iterator[None]:
+    """Mark the code run inside as an opaque callee's (described by ``callee``): the trace
+    runs it whole, so a ``device_guard`` there cannot be honoured (``tagged`` raises)."""
+    previous = getattr(_state, "opaque", None)
+    _state.opaque = callee
+    try:
+        yield
+    finally:
+        _state.opaque = previous
+
+
+@contextlib.contextmanager
+def tagged(device: str, where: str = "a device_guard") -> Iterator[None]:
+    """Tag every node created inside with ``device`` (a canonical device name).
+
+    Raises TagError naming ``where`` (the guard's source line) and the callee when the
+    block is inside an opaque callee (see :func:`opaque_scope`)."""
+    callee = getattr(_state, "opaque", None)
+    if callee is not None:
+        raise TagError(
+            f"{where} is inside {callee}, which fxpipe runs as one opaque call (fx cannot trace into it): "
+            "its nodes cannot go to another device; move the device_guard out of it, or make the callee traceable"
+        )
     with fx_traceback.annotate({TAG_KEY: device}):
         yield
 

@@ -31,7 +31,8 @@ from fxpipe.passes.partition import PartitionedGraph, partition
 from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.signature import TraceKey
 from fxpipe.passes.targets import resolver
-from fxpipe.passes.trace import Traced, trace
+from fxpipe.passes.trace import trace
+from fxpipe.passes.traced import Traced
 
 
 @dataclass

@@ -43,13 +43,41 @@ class Branchy(nn.Module):
 X = torch.randn(8, 4)
 
 
+class RootBranch(nn.Module):
+    """Branches on tensor values in its own forward: nothing can run whole in its place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        if h.sum() > 0:  # data-dependent Python control flow in the root
+            return h * 2
+        return h
+
+
 def test_untraceable_model_names_module_and_line_for_each_frontend() -> None:
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.partition(DataDependent(), {}, example_inputs=(X,))
+        fxpipe.partition(RootBranch(), {}, example_inputs=(X,))
     message = str(info.value)
-    assert "torch.fx stopped in module 'inner'" in message
-    assert "torch.export stopped in module 'inner'" in message
+    assert "torch.fx stopped in module 'RootBranch'" in message
+    assert "torch.export stopped in module 'RootBranch'" in message
     assert "test_errors.py:" in message and "leaf" in message
+
+
+def test_untraceable_submodule_runs_whole_and_is_named_with_its_reason() -> None:
+    model = DataDependent()
+    # one micro-batch: the branch is on the whole batch's values, as in eager
+    pipe = fxpipe.compile(model, fxpipe.Plan(microbatches=1), example_inputs=(X,))
+    assert pipe.frontend == "fx"
+    (callee,) = pipe.part.opaque
+    assert callee.name == "inner (Branchy)" and callee.kind == "module"
+    assert "control flow" in callee.reason and "test_errors.py:" in callee.line and "x.sum() > 0" in callee.line
+    for text in (pipe.summary(), pipe.explain()):
+        assert "inner (Branchy)" in text and "control flow" in text
+    for x in (X, -X.abs()):  # both branches at run time: the module runs as in eager
+        torch.testing.assert_close(pipe(x), model(x))
 
 
 def test_leaf_module_makes_an_untraceable_model_traceable() -> None:
@@ -66,9 +94,8 @@ def test_fx_failure_falls_back_to_export_and_says_so() -> None:
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.shape[-1] == 4:  # fine for export (static shape), fails under fx (proxy bool)
-                return self.lin(x).relu()
-            return x
+            width = int(x.shape[-1])  # export specialises the size; fx cannot make a traced size an int
+            return self.lin(x)[..., :width].relu()
 
     with pytest.warns(UserWarning, match="traced with torch.export instead"):
         part = fxpipe.partition(Shapey(), {}, example_inputs=(X,))

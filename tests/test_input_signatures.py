@@ -86,11 +86,13 @@ def test_mask_none_both_ways_in_any_order_through_step(frontend: str) -> None:
     assert len(pipe.signatures) == 2
 
 
-def test_a_branch_on_the_length_is_followed_on_both_sides_through_step() -> None:
+@pytest.mark.parametrize("frontend", ["auto", "export"])
+def test_a_branch_on_the_length_is_followed_on_both_sides_through_step(frontend: str) -> None:
     model = LengthBranch().double()
     ref = copy.deepcopy(model)
-    pipe = fxpipe.compile(model, dict(devices=["cpu:0", "cpu:1"], split=["head"], microbatches=2), example_inputs=(torch.randn(4, 6, 4, dtype=torch.float64),), loss_fn=mse)
-    assert pipe.frontend == "export"
+    plan = dict(devices=["cpu:0", "cpu:1"], split=["head"], microbatches=2, frontend=frontend)
+    pipe = fxpipe.compile(model, plan, example_inputs=(torch.randn(4, 6, 4, dtype=torch.float64),), loss_fn=mse)
+    assert pipe.frontend == ("fx" if frontend == "auto" else "export")
     for length in (6, 12, 6, 9):
         x = torch.randn(4, length, 4, dtype=torch.float64)
         check_step(pipe, ref, (x,), {}, torch.randn(4, length, 2, dtype=torch.float64), mse, 2)

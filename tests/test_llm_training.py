@@ -188,7 +188,8 @@ class CausalUnlessMasked(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None:
-            mask = torch.ones(x.shape[1], x.shape[1]).tril().bool()  # fx cannot trace this
+            length = int(x.shape[1])  # fx cannot make a traced size an int
+            mask = torch.ones(length, length).tril().bool()
         h = self.a(x)
         return self.b((h @ h.transpose(1, 2)).masked_fill(~mask, -1e9).softmax(-1) @ h)
 

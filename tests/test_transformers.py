@@ -1,4 +1,5 @@
-"""HuggingFace decoder LMs (traced by torch.export): equal to eager, tied weights kept tied."""
+"""HuggingFace decoder LMs (traced by torch.fx, the default frontend; torch.export when
+asked): equal to eager, tied weights kept tied, train/eval followed."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_decoder_lm_matches_eager(build, split: list[str], schedule: str) -> Non
     ref = copy.deepcopy(model)
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split=split, schedule=schedule, microbatches=3)
     pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=lm_loss)
-    assert pipe.frontend == "export"
+    assert pipe.frontend == "fx" and pipe.part.opaque == []  # traced through, masks and attention included
     loss = pipe.step(ids, target=target)
     expected = eager_microbatch_step(ref, (ids,), target, lm_loss, 3)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
@@ -92,13 +93,16 @@ def test_attention_mask_crosses_stages() -> None:
     assert_grads_match(pipe, ref)
 
 
-def test_export_pipeline_follows_train_and_eval_like_the_model() -> None:
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_pipeline_follows_train_and_eval_like_the_model(frontend: str) -> None:
     model = gpt2(layers=2, dropout=0.3)  # traced in train mode: dropout active
     ids = torch.randint(0, VOCAB, (4, 8))
-    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["transformer.h.1"], microbatches=2)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["transformer.h.1"], microbatches=2, frontend=frontend)
     pipe = fxpipe.compile(model, plan, example_inputs=(ids,))
-    assert pipe.frontend == "export" and "fxpipe_training" in pipe.stages[0].module.code
+    assert pipe.frontend == frontend
+    if frontend == "export":  # export's literal train flags rewired to the stage's mode
+        assert "fxpipe_training" in pipe.stages[0].module.code
     assert not torch.equal(pipe(ids).logits, pipe(ids).logits)  # dropout draws
-    pipe.eval()
+    pipe.eval()  # fx: a program traced in eval mode (Python reads of self.training follow)
     model.eval()
     torch.testing.assert_close(pipe(ids).logits, model(ids).logits.detach())

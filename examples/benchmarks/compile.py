@@ -8,6 +8,11 @@ absolute times follow the machine's load):
   lm         a 48-layer GPT-2-style LM (transformers' GPT2LMHeadModel, width 64), 4 stages
              by module path (transformer.h.12 / .24 / .36), and split="auto", against
              pipeline() with those split points
+  depth      the same GPT-2 (width 64) at 24, 48 and 96 layers, 4 stages by module path and
+             split="auto", against pipeline() on the same split points: compile seconds
+             against depth for both tools (``--plot``: the figure), and the goals of issue 22
+             as a table: explicit <= 0.3x and auto <= 0.5x at 48 layers, explicit <= 0.25x at
+             96 layers, and 96 layers <= 1.5x the compile time of 24 layers
   scaling    fxpipe.partition of nn.Sequential graphs of 2,500 / 5,000 / 10,000 nodes
              (Linear + ReLU pairs) into 4 stages, split="auto" and explicit, against
              pipeline() with the explicit split points; microseconds per node show whether
@@ -24,8 +29,8 @@ a cProfile of fxpipe's compiles of that part (where the time goes).
 Goals (issue 15): resnet152 <= 0.2x TDP with explicit splits and <= 0.4x with "auto";
 the LM <= 0.3x / <= 0.5x; the 10,000-node partition(split="auto") <= 5 s, linear growth.
 
-    .venv/bin/python examples/benchmarks/compile.py [--quick] [--parts resnet152 lm scaling]
-        [--rounds 3] [--tdp-up-to 5000] [--profile lm]
+    .venv/bin/python examples/benchmarks/compile.py [--quick] [--parts resnet152 lm depth scaling]
+        [--rounds 3] [--tdp-up-to 5000] [--profile lm] [--plot docs/img/compile-depth.png]
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 import fxpipe
 
-PARTS = ("resnet152", "lm", "scaling")
+PARTS = ("resnet152", "lm", "depth", "scaling")
 
 
 def _seconds(run: Callable[[], object]) -> float:
@@ -85,8 +90,9 @@ def _stack(nodes: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], rounds: int, profile: bool) -> None:
-    """Time TDP's pipeline() and fxpipe (explicit, auto) on ``paths``; print medians and ratios."""
+def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], rounds: int, profile: bool) -> dict[str, float]:
+    """Time TDP's pipeline() and fxpipe (explicit, auto) on ``paths``; print medians and
+    ratios; returns the medians by compiler ("tdp", "fxpipe explicit", "fxpipe auto")."""
     devices = [f"cpu:{k}" for k in range(len(paths) + 1)]
     microbatch = x[: max(1, x.shape[0] // 4)]
     # per compiler, an untimed set-up returning the compile to time
@@ -116,6 +122,68 @@ def compare(name: str, model: nn.Module, x: torch.Tensor, paths: list[str], roun
     if profiler is not None:
         print(f"  cProfile of fxpipe's {2 * rounds} compiles (cumulative, fxpipe and torch.export frames):")
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/|torch/export)", 25)
+    return median
+
+
+def depth(layer_counts: list[int], rounds: int, profile: bool, plot: str | None) -> None:
+    """The LM at each depth, side by side with pipeline(); the issue's goals as a table."""
+    medians = {}
+    for layers in layer_counts:
+        model, ids = _lm(layers)
+        paths = [f"transformer.h.{layers // 4 * k}" for k in (1, 2, 3)]
+        medians[layers] = compare(f"GPT-2 (transformers), {layers} layers, width 64", model, ids, paths, rounds, profile)
+    print(f"\ndepth: compile seconds (median of {rounds}) and ratio to pipeline() on the same split")
+    print(f"  {'layers':>6s} {'pipeline()':>11s} {'explicit':>16s} {'auto':>16s}")
+    for layers, m in medians.items():
+        tdp = m["tdp"]
+        print(
+            f"  {layers:6d} {tdp:10.2f}s {m['fxpipe explicit']:7.2f}s ({m['fxpipe explicit'] / tdp:.2f}x)"
+            f" {m['fxpipe auto']:7.2f}s ({m['fxpipe auto'] / tdp:.2f}x)"
+        )
+    _goals(medians)
+    if plot:
+        _plot_depth(medians, plot)
+
+
+def _goals(medians: dict[int, dict[str, float]]) -> None:
+    """The goals of issue 22 at the depths measured (the middle one stands for 48 layers)."""
+    small, middle, large = sorted(medians)[0], sorted(medians)[len(medians) // 2], sorted(medians)[-1]
+
+    def ratio(layers: int, label: str) -> float:
+        return medians[layers][label] / medians[layers]["tdp"]
+
+    rows = [
+        (f"{middle} layers, explicit split", ratio(middle, "fxpipe explicit"), 0.3),
+        (f"{middle} layers, split='auto'", ratio(middle, "fxpipe auto"), 0.5),
+        (f"{large} layers, explicit split", ratio(large, "fxpipe explicit"), 0.25),
+        (f"{large} / {small} layers, fxpipe explicit", medians[large]["fxpipe explicit"] / medians[small]["fxpipe explicit"], 1.5),
+    ]
+    print("\ngoals (issue 22):")
+    print(f"  {'case':40s} {'measured':>9s} {'goal':>7s}")
+    for case, value, goal in rows:
+        print(f"  {case:40s} {value:8.2f}x {'<= ' + str(goal) + 'x':>7s}  {'met' if value <= goal else 'NOT met'}")
+
+
+def _plot_depth(medians: dict[int, dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(medians)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, name, style in (("tdp", "torch.distributed.pipelining pipeline()", "s-"), ("fxpipe explicit", "fxpipe.compile, explicit split", "o-"), ("fxpipe auto", "fxpipe.compile, split='auto'", "^--")):
+        ax.plot(layers, [medians[n][label] for n in layers], style, label=name)
+    ax.set_xlabel("GPT-2 layers (width 64), 4 stages")
+    ax.set_ylabel("compile seconds (median)")
+    ax.set_xticks(layers)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("Compile time against depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 def scaling(sizes: list[int], rounds: int, tdp_up_to: int, profile: bool) -> None:
@@ -158,6 +226,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per compiler (median)")
     parser.add_argument("--tdp-up-to", type=int, default=5000, help="largest stack pipeline() compiles in the scaling part")
     parser.add_argument("--profile", choices=PARTS, default=None, help="print a cProfile of fxpipe's compiles of this part")
+    parser.add_argument("--plot", default=None, help="write the depth sweep's figure here (compile seconds against layers)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -172,6 +241,8 @@ def main() -> None:
         model, ids = _lm(layers)
         paths = [f"transformer.h.{layers // 4 * k}" for k in (1, 2, 3)]
         compare(f"GPT-2-style LM, {layers} layers, width 64", model, ids, paths, rounds, args.profile == "lm")
+    if "depth" in args.parts:
+        depth([4, 8, 16] if args.quick else [24, 48, 96], rounds, args.profile == "depth", args.plot)
     if "scaling" in args.parts:
         sizes = [250, 500, 1000] if args.quick else [2500, 5000, 10000]
         scaling(sizes, rounds, args.tdp_up_to, args.profile == "scaling")
