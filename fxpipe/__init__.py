@@ -19,12 +19,7 @@ from fxpipe.memory_report import MemoryReport
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.annotate import AnnotateError
-<<<<<<< HEAD
-from fxpipe.passes.trace import TraceError
-=======
 from fxpipe.passes.traced import TraceError
-from fxpipe.pipeline import Pipeline
->>>>>>> trace
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.profile import Profile, profile
 from fxpipe.runtime.local import PipelineError

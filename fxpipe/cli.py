@@ -68,7 +68,6 @@ class CommandParser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``fxpipe`` command with ``argv`` (default: the process's arguments);
-<<<<<<< HEAD
     returns the exit status: 0, or 2 after a one-line error with at most three lines of
     hints (``--debug``: the traceback instead)."""
     args = build_parser().parse_args(argv)
@@ -77,18 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = fake_tensor_log.level
     if not args.debug:
         fake_tensor_log.setLevel(logging.CRITICAL)
-=======
-    returns the exit status. Errors in arguments, models and plans exit with status 2 and
-    a one-line message."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from fxpipe import CompileError, DeviceError, MicrobatchError, PlanError
-    from fxpipe.drawing.render import DrawError
-    from fxpipe.passes.annotate import AnnotateError
-    from fxpipe.passes.traced import TraceError
-
-    expected = (CommandError, PlanError, CompileError, AnnotateError, TraceError, DeviceError, MicrobatchError, DrawError)
->>>>>>> trace
     try:
         return args.run(args)
     except Exception as err:  # noqa: BLE001 - every failure is one line; --debug shows the traceback

@@ -64,7 +64,7 @@ class Partitioned:
     calibration: Calibration | None = None
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
-<<<<<<< HEAD
+    opaque: list[Any] = field(default_factory=list)
     # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
     profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -106,9 +106,6 @@ class Partitioned:
         fields kept); raises PlanError (PlanScheduleError) for a schedule the plan rejects.
         Call :meth:`actions` to know whether it runs them where they were placed."""
         return dataclasses.replace(self, plan=self.plan.replace(schedule=schedule, microbatches=microbatches))
-=======
-    opaque: list[Any] = field(default_factory=list)
->>>>>>> trace
 
     @property
     def num_workers(self) -> int:
@@ -208,17 +205,9 @@ class Partitioned:
                 f"(state {fmt.nbytes(est.state_bytes)} + activations {fmt.nbytes(est.activation_peak)} at their peak, "
                 f"{est.in_flight} micro-batch(es) in flight; keeps {describe_choice(s.recompute, s.offload)})"
             )
-<<<<<<< HEAD
             lines += [f"    recv from stage {e.src}: {value(e)}" for e in s.inputs]
             lines += [f"    send to stage {e.dst}: {value(e)}" for e in s.outputs]
-        return "\n".join(lines)
-=======
-            for e in s.inputs:
-                lines.append(f"    recv {e.name} {e.description} from stage {e.src} ({fmt.nbytes(e.nbytes)})")
-            for e in s.outputs:
-                lines.append(f"    send {e.name} {e.description} to stage {e.dst} ({fmt.nbytes(e.nbytes)})")
         return "\n".join(lines + self._opaque_lines())
->>>>>>> trace
 
     def estimates(self, microbatches: int | None = None, choices: StageChoices | None = None) -> list[StageEstimate]:
         """The cost model's prediction per stage (time per micro-batch, memory, FLOPs), from

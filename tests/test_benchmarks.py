@@ -41,7 +41,6 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
 
 
 @pytest.mark.timeout(300)
-<<<<<<< HEAD
 def test_memory_benchmark_prints_predicted_against_measured_the_cap_and_the_v_ratios() -> None:
     out = run("memory.py", "--quick")
     worst = re.search(r"worst peak error (\d+\.\d)%, worst activations error (\d+\.\d)% over (\d+) stages", out)
@@ -50,7 +49,8 @@ def test_memory_benchmark_prints_predicted_against_measured_the_cap_and_the_v_ra
     assert re.search(r"checkpoint=True / auto step time: \d+\.\d\dx", out), out
     assert re.search(r"auto\s+\S+ ms\s+.*fits", out) and re.search(r"False\s+\S+ ms\s+.*EXCEEDS", out), out
     assert re.search(r"v-half/1f1b 0\.\d{3}x \(goal <= 0.55x\), v-min/1f1b 0\.\d{3}x", out), out
-=======
+
+
 def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) -> None:
     plot = tmp_path / "depth.png"
     out = run("compile.py", "--quick", "--parts", "depth", "--plot", str(plot))
@@ -59,4 +59,3 @@ def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) 
     goals = re.findall(r"^\s+.+?\s+(\d+\.\d+)x\s+<= [\d.]+x\s+(met|NOT met)$", out, re.M)
     assert len(goals) == 4, out
     assert plot.stat().st_size > 0
->>>>>>> trace
