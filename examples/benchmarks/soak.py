@@ -18,7 +18,7 @@ Every job is bounded by ``--timeout`` and counted as one of:
 - other: any other failure.
 
     python examples/benchmarks/soak.py                     # 200 jobs under load (make soak)
-    python examples/benchmarks/soak.py --jobs 6 --no-load  # the sample tests/test_soak.py runs
+    python examples/benchmarks/soak.py --jobs 3 --no-load  # the sample tests/test_soak.py runs
 
 The last line printed is the summary; the first failing job's stderr comes before it.
 """
