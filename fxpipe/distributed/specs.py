@@ -64,19 +64,6 @@ class ValueSpec:
         return pytree.tree_unflatten(leaves, self.treespec)
 
 
-def signature(value: Any) -> tuple:
-    """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
-    leaves, spec = pytree.tree_flatten(value)
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-        else:
-            parts.append(("C", repr(leaf)))
-    return (str(spec), tuple(parts))
-
-
-
 def value_spec(value: Any) -> ValueSpec:
     leaves, treespec = pytree.tree_flatten(value)
     out = []
