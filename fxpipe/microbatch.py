@@ -77,8 +77,6 @@ def split(values: Any, m: int) -> tuple[list[Any], list[int]]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == n:
             columns.append(list(torch.split(leaf, sizes)))
         else:
-            if m > 1:
-                _check_cuttable(leaf, n)
             columns.append([leaf] * m)
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)], sizes
 
@@ -115,6 +113,16 @@ def tensors_inside(value: Any) -> list[torch.Tensor]:
     for attribute in vars(value).values():
         found += [t for t in pytree.tree_leaves(attribute) if isinstance(t, torch.Tensor)]
     return found
+
+
+def check_cuttable(values: Any, m: int) -> None:
+    """Raise MicrobatchError when an object in ``values`` (a call's arguments) that is no
+    tensor and no registered pytree holds tensors of the batch's size and the batch is cut
+    into ``m`` > 1 micro-batches: passed whole, every micro-batch would see the whole batch's."""
+    n = batch_size(values)
+    if m > 1 and n is not None:
+        for leaf in pytree.tree_leaves(values):
+            _check_cuttable(leaf, n)
 
 
 def _check_cuttable(value: Any, n: int) -> None:

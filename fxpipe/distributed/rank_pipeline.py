@@ -211,13 +211,15 @@ class DistributedPipeline(PipelineBase):
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
-        specs, key = self._edge_specs(batch, ctx)
         actions = program.part.actions(len(batch.inputs), ctx.train)
-        spec = lambda e, i: specs[i][e]  # noqa: E731
-        if key not in program.messages:  # key holds ``train`` already
-            if len(program.messages) >= _MESSAGE_PLANS:  # listed steps of ever new lengths: keep the latest
-                program.messages.pop(next(iter(program.messages)))
-            program.messages[key] = self._plan_messages(program, actions, spec)
+        with startup.failures_recorded(self.watchdog):  # a value that cannot travel: the other ranks name this one
+            self.watchdog.running("deriving the step's edge shapes")
+            specs, key = self._edge_specs(batch, ctx)
+            spec = lambda e, i: specs[i][e]  # noqa: E731
+            if key not in program.messages:  # key holds ``train`` already
+                if len(program.messages) >= _MESSAGE_PLANS:  # listed steps of ever new lengths: keep the latest
+                    program.messages.pop(next(iter(program.messages)))
+                program.messages[key] = self._plan_messages(program, actions, spec)
         mine = actions[self.layout.worker]
         hooks = list(self.action_hooks)
         if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete

@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.microbatch import tensors_inside
+
 
 class SignatureError(RuntimeError):
     """A stage cannot be run on fake tensors (its output depends on the data)."""
@@ -50,6 +52,12 @@ class ValueSpec:
     def tensors(self) -> list[int]:
         """Positions of the tensor leaves (the only ones that are sent)."""
         return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec)]
+
+    @cached_property
+    def unsendable(self) -> list[str]:
+        """The types of the constant leaves that hold tensors (objects that are no
+        registered pytree): a message cannot carry them."""
+        return [type(leaf).__name__ for leaf in self.leaves if not isinstance(leaf, LeafSpec) and tensors_inside(leaf)]
 
     @cached_property
     def grads(self) -> list[int]:

@@ -309,6 +309,7 @@ class PipelineBase(PipelineViews):
         """This process's micro-batches of a call (its replica's shard under data parallelism),
         with the compiled stages of the call's signature; ``Batch.step`` holds every
         replica's micro-batches (for the step's loss counts)."""
+        microbatch.check_cuttable((args, kwargs), self.plan.microbatches * self.replicas)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
