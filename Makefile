@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
+	$(BIN)/python examples/benchmarks/varlen.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
 
 # the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10

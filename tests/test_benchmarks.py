@@ -38,3 +38,13 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out
     assert "i64[*, 16]" in out and "i64[*, 32]" in out, out  # both signatures held
+
+
+@pytest.mark.timeout(300)
+def test_varlen_benchmark_prints_the_equal_length_ratio_the_padding_speed_up_and_the_shape_costs() -> None:
+    out = run("varlen.py", "--quick")
+    assert re.search(r"varlen / equal: \d+\.\d+x \(goal <= 1\.3\)", out), out
+    assert re.search(r"speed-up over padding to the longest: \d+\.\d+x", out), out
+    difference = float(re.search(r"largest loss difference (\S+)", out).group(1))
+    assert difference < 1e-4, out  # padding with -100 targets scores the same tokens
+    assert re.search(r"edge shapes: derive \d+\.\d+ ms per new signature, look up \d+ µs per step, exchange \d+ µs per step", out), out
