@@ -107,7 +107,7 @@ def tensors_inside(value: Any) -> list[torch.Tensor]:
     """The tensors an object that is no tensor and no registered pytree holds in its
     attributes (one level deep, and inside tuples, lists and dicts there): what passing it
     whole would hand every micro-batch, or what a message between ranks cannot carry."""
-    if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__") or isinstance(value, type):
+    if isinstance(value, torch.Tensor | nn.Module | type) or not hasattr(value, "__dict__"):
         return []
     found = []
     for attribute in vars(value).values():

@@ -198,6 +198,29 @@ def test_listed_microbatches_that_disagree_are_named_with_the_fix() -> None:
         pipe(microbatches=[entries[0], (entries[1][0],)])
 
 
+class LongExtra(nn.Module):
+    """Sends stage 1 one more value for sequences longer than 6 (a branch on the size, which
+    torch.export resolves per length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        extra = h.sum(1, keepdim=True) if x.shape[1] > 6 else None
+        h = self.b(h)
+        return h + extra if extra is not None else h
+
+
+def test_microbatches_whose_traces_cross_other_edges_are_refused_with_the_fix() -> None:
+    model = LongExtra()
+    xs = [torch.randn(2, n, 4) for n in (4, 8)]
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["b"], devices=["cpu"] * 2, frontend="export"), example_inputs=(xs[0],), loss_fn=F.mse_loss)
+    with pytest.raises(MicrobatchError, match=r"micro-batch 1's input signature \(x: f32\[\*, 8, 4\]\) was traced into stages that exchange other values .*frontend='fx'"):
+        pipe.step(microbatches=xs, targets=[torch.zeros(2, n, 4) for n in (4, 8)])
+
+
 @pytest.mark.parametrize("family, loss", [("gpt2", "labels"), ("llama", "loss_fn")])
 def test_hf_models_with_padded_labels_at_four_lengths_equal_eager(family: str, loss: str) -> None:
     check_hf_listed(family, loss, "1f1b")

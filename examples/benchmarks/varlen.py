@@ -25,6 +25,7 @@ loss. In one run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -186,9 +187,11 @@ def shapes_on_ranks(size: Size, repeats: int) -> dict:
 
     warnings.simplefilter("ignore")
     _, pipe = build(size)
-    spent: dict[str, list[float]] = {"specs": [], "plans": []}
+    spent: dict[str, list[float]] = {"specs": [], "plans": [], "outputs": []}
     for name, method in (("specs", "_edge_specs"), ("plans", "_plan_messages")):
         setattr(pipe, method, _timed(getattr(pipe, method), spent[name]))
+    # the loss's counts: each new input signature's output shapes, from a fake run (last stage's rank)
+    pipe._compiler = dataclasses.replace(pipe._compiler, output_like=_timed(pipe._compiler.output_like, spent["outputs"]))
     g = torch.Generator().manual_seed(3)
     steps = []
     for _ in range(repeats):
@@ -206,6 +209,7 @@ def shapes_on_ranks(size: Size, repeats: int) -> dict:
     return {
         "new": sum(new), "seen": statistics.median(seen), "signatures": signatures, "step": statistics.median(steps),
         "exchange": exchange, "edges": edges, "plan": statistics.median(spent["plans"]),
+        "outputs": statistics.mean(spent["outputs"]) if spent["outputs"] else 0.0,
     }
 
 
@@ -240,6 +244,7 @@ def report_ranks(results: list[dict]) -> None:
     print(f"  derived: {receiver['signatures']} input signatures in {receiver['new'] * 1e3:.1f} ms of fake runs, {per * 1e3:.2f} ms each, once per signature")
     print(f"  a step whose lengths were seen: {receiver['seen'] * 1e6:.0f} µs to look its 8 micro-batches' shapes up")
     print(f"  a new combination of lengths: its messages planned in {receiver['plan'] * 1e6:.0f} µs (median)")
+    print(f"  the loss's counts (the last stage's rank): each new signature's output shapes in {receiver['outputs'] * 1e3:.2f} ms (a fake run of the model), once")
     print(f"  exchanged instead: {receiver['exchange'] * 1e6:.0f} µs per step for {MICROBATCHES} messages x {receiver['edges']} edge(s), every step")
     print(f"  a step on 2 ranks: {receiver['step'] * 1e3:.1f} ms (median, new lengths)")
     print(f"  edge shapes: derive {per * 1e3:.2f} ms per new signature, look up {receiver['seen'] * 1e6:.0f} µs per step, exchange {receiver['exchange'] * 1e6:.0f} µs per step")
