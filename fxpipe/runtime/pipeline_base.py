@@ -5,9 +5,9 @@ The module-like API over the tensors this process holds (``named_parameters``,
 (data-parallel replicas take their shard first) or the caller's own list of micro-batches
 (``microbatches=[...]``: of any sizes, each run by its own signature's program), the
 per-micro-batch loss weights, the cache of programs per input signature and the call/step
-flow (the schedule is the program's partition's: ``part.actions(m, train)``). A subclass says how one call executes
-(``_execute``), what the caller gets back (``_output``, ``_step_loss``) and what follows a
-``load_state_dict`` (``_after_load``).
+flow (the schedule is the program's partition's: ``part.actions(m, train)``). A subclass
+says how one call executes (``_execute``), what the caller gets back (``_output``,
+``_step_loss``) and what follows a ``load_state_dict`` (``_after_load``).
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ class Batch:
             grads.append(torch.cat([g.to(original.device) for g in pieces]) if cut else torch.stack([g.to(original.device) for g in pieces]).sum(0))
         if tensors:
             torch.autograd.backward(tensors, grads)
+
 
 def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, plan: Plan) -> StageRunner:
     """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``,
