@@ -6,7 +6,9 @@ dimension is read at run time), 2 stages, 1F1B, 8 micro-batches of 4 rows, a tok
 loss. In one run:
   varlen / equal   a warm step of 8 micro-batches of 8 different lengths against a step of
                    8 micro-batches of one length holding the same tokens; measured in
-                   alternation, medians. Goal: <= 1.3x.
+                   alternation with eager running each set one micro-batch after another
+                   (what the lengths cost by themselves: attention grows with the square of
+                   the length), medians. Goal: <= 1.3x.
   padding          steps whose 8 lengths are drawn from a long-tailed distribution
                    (lognormal, median 64, clipped to 16..512): listed as they are
                    (``pipe.step(microbatches=...)``) against the same rows padded to the
@@ -112,8 +114,15 @@ def micro_batches(size: Size, lengths: list[int], g: torch.Generator) -> tuple[l
     return ids, [torch.randint(0, size.vocab, (ROWS, n), generator=g) for n in lengths]
 
 
+def eager_step(model: nn.Module, ids: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    """The same micro-batches one after another in eager PyTorch, normalised over the step."""
+    count = sum(t.numel() for t in targets)
+    for x, t in zip(ids, targets):
+        (F.cross_entropy(model(x).flatten(0, 1), t.flatten(), reduction="sum") / count).backward()
+
+
 def varlen_against_equal(size: Size, repeats: int) -> None:
-    _, pipe = build(size)
+    model, pipe = build(size)
     g = torch.Generator().manual_seed(1)
     mean = sum(size.lengths) // len(size.lengths)
     varied, equal = micro_batches(size, list(size.lengths), g), micro_batches(size, [mean] * MICROBATCHES, g)
@@ -121,12 +130,16 @@ def varlen_against_equal(size: Size, repeats: int) -> None:
         {
             "8 lengths": lambda: pipe.step(microbatches=varied[0], targets=varied[1]),
             "1 length": lambda: pipe.step(microbatches=equal[0], targets=equal[1]),
+            "eager 8 lengths": lambda: eager_step(model, *varied),
+            "eager 1 length": lambda: eager_step(model, *equal),
         },
         repeats,
         1,
     )
     print(f"  8 lengths {list(size.lengths)}: {times['8 lengths'] * 1e3:7.1f} ms per step")
     print(f"  8 x length {mean} (the same {ROWS * sum(size.lengths)} tokens): {times['1 length'] * 1e3:7.1f} ms per step")
+    eager = times["eager 8 lengths"] / times["eager 1 length"]
+    print(f"  eager, the same micro-batches one after another: {times['eager 8 lengths'] * 1e3:.1f} / {times['eager 1 length'] * 1e3:.1f} ms = {eager:.2f}x (the work itself)")
     print(f"  varlen / equal: {times['8 lengths'] / times['1 length']:.2f}x (goal <= 1.3)")
 
 
