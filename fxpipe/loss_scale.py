@@ -13,8 +13,10 @@ per-sample weighting the step applies afterwards into sum / (the step's count):
 
 ``count`` is counted before the first backward, over every micro-batch of every replica,
 from the targets alone: for a ``loss_fn`` by running it on meta copies of the output with
-the real targets (:func:`count_calls`), for a model's own loss by running the part of the
-graph that computes the loss's target from the model's inputs (``fxpipe.passes.input_slice``).
+the real targets (:func:`count_calls`; the first micro-batch's output resized, or, for
+micro-batches of different shapes, each one's output from a fake run of the model), for a
+model's own loss by running the part of the graph that computes the loss's target from the
+model's inputs (``fxpipe.passes.input_slice``).
 Terms a loss adds outside these calls (``out.pow(2).mean()``) keep the per-sample weighting.
 """
 
