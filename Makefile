@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
+	$(BIN)/python examples/benchmarks/varlen.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
 	$(BIN)/python examples/benchmarks/memory.py --plot docs/img/memory-predicted-vs-measured.png
 

@@ -1,10 +1,13 @@
-"""Which outputs of a model follow the batch, asked of the eager model on fake tensors.
+"""What the eager model returns, asked on fake tensors: which outputs follow the batch,
+and one call's output shapes.
 
 The pipelines merge micro-batches' outputs by what they are (``fxpipe.microbatch.merge``):
 an output whose dim 0 follows the input batch is concatenated, any other is merged as
 ``Plan.output_merge`` says. This module answers the question once per input structure,
-with the compiler's fake eager run (``fxpipe.passes.generalise.eager_on_fake``); the
-pipelines get it handed in by ``fxpipe.factory``, so no runtime imports a pass.
+with the compiler's fake eager run (``fxpipe.passes.generalise.eager_on_fake``). A step of
+listed micro-batches counts its loss's tokens before anything runs, on each micro-batch's
+output as meta tensors (:func:`output_like`). The pipelines get both handed in by
+``fxpipe.factory``, so no runtime imports a pass.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.microbatch import batch_size, leaves_with_paths, path_of
@@ -68,3 +72,13 @@ def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, si
         for key_path, leaf in leaves_with_paths(out)
         if isinstance(leaf, torch.Tensor)
     }
+
+
+def output_like(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    """What ``model(*args, **kwargs)`` returns, its tensors on the meta device (shapes and
+    dtypes, no values), from one run of ``forward`` on fake tensors that computes nothing
+    and leaves the model and the random generators as they were. Raises what ``forward``
+    raises on fake tensors."""
+    with torch.no_grad():
+        out = eager_on_fake(model, tuple(args), dict(kwargs or {}), getattr(model, "fxpipe_devices", None))
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), out)

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from fxpipe.batched_outputs import batched_outputs
+from fxpipe.batched_outputs import batched_outputs, output_like
 from fxpipe.compiler import CompileError, on_meta, partition, partition_like
 from fxpipe.devices import check_available
 from fxpipe.local_pipeline import Pipeline
@@ -33,6 +33,7 @@ COMPILER = Compiler(
     retrace=partition_like,
     batched_outputs=batched_outputs,
     fake_replay=lambda: FakeReplay(device="cpu"),
+    output_like=output_like,
 )
 
 

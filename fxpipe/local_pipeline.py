@@ -65,7 +65,7 @@ class Pipeline(PipelineBase):
         program = batch.program
         self._placement.sync_replicas()
         actions = program.part.actions(len(batch.inputs), ctx.train)
-        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, self.action_hooks)
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, self.action_hooks, microbatch_runners=batch.microbatch_runners())
         self._last_events = self._executor.run(actions, step)
         if ctx.train:
             self._placement.reduce_replica_grads()

@@ -13,8 +13,10 @@ per-sample weighting the step applies afterwards into sum / (the step's count):
 
 ``count`` is counted before the first backward, over every micro-batch of every replica,
 from the targets alone: for a ``loss_fn`` by running it on meta copies of the output with
-the real targets (:func:`count_calls`), for a model's own loss by running the part of the
-graph that computes the loss's target from the model's inputs (``fxpipe.passes.input_slice``).
+the real targets (:func:`count_calls`; the first micro-batch's output resized, or, for
+micro-batches of different shapes, each one's output from a fake run of the model), for a
+model's own loss by running the part of the graph that computes the loss's target from the
+model's inputs (``fxpipe.passes.input_slice``).
 Terms a loss adds outside these calls (``out.pow(2).mean()``) keep the per-sample weighting.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,53 +299,55 @@ def fallback_message(err: BaseException) -> str:
     )
 
 
+Counter = Callable[[Any, int], StepCounts | None]
+"""Counts a step's loss calls from one micro-batch's output (and its rows), when it exists."""
+
+
 def step_loss(
     loss_fn: Any,
-    build_output: Callable[[Any], Any],
+    build_output: Callable[[int, Any], Any],
     targets: list[Any],
     sizes: list[int],
     total: int,
     scale: float,
-    step: list[tuple[list, Any, int]],
-    counted: bool,
-    warn: Callable[[BaseException], None],
+    counts: StepCounts | Counter | None,
 ) -> Callable[[int, Any], torch.Tensor]:
     """``loss_of(i, stage_output)``: micro-batch i's term of the step's loss.
 
-    ``targets``/``sizes``: this process's micro-batches; ``total``: the step's samples;
-    ``scale``: the replicas (their gradients are averaged); ``step``: every replica's
-    (inputs, target, size). ``counted``: the model's own loss calls are scaled already
-    (their terms are weighted by size / total). Otherwise ``loss_fn``'s reduced loss calls
-    are counted on the first call, on meta copies of that output and every micro-batch's
-    real target; when that fails, ``warn(err)`` and the per-sample weighting apply.
+    ``build_output(i, out)``: what the model returns from micro-batch i's last-stage
+    output; ``targets``/``sizes``: this process's micro-batches; ``total``: the step's
+    samples; ``scale``: the replicas (their gradients are averaged). ``counts``: the
+    step's counts (without ``loss_fn``: the model's own loss calls, scaled in its last
+    stage already, so their terms are only weighted by size / total), a :data:`Counter`
+    run on the first micro-batch's output, or None: each micro-batch's loss weighted by
+    its share of the samples (exact when every sample counts alike).
     """
     per_sample = microbatch.weighted_loss(loss_fn, build_output, targets, microbatch.loss_weights(sizes, loss_fn, total, scale))
     by_share = microbatch.weighted_loss(loss_fn, build_output, targets, [scale * n / total for n in sizes])
-    if counted or loss_fn is None:
-        return by_share if counted else per_sample
+    if counts is None:
+        return per_sample
+    if loss_fn is None:
+        return by_share
     state: dict[str, StepCounts | None] = {}
 
     def loss_of(i: int, out: Any) -> torch.Tensor:
         if "counts" not in state:
-            state["counts"] = _count_loss_fn(loss_fn, build_output(out), sizes[i], step, total, warn)
-        counts = state["counts"]
-        if counts is None:
+            state["counts"] = counts if isinstance(counts, StepCounts) else counts(build_output(i, out), sizes[i])
+        known = state["counts"]
+        if known is None:
             return per_sample(i, out)
-        with counts.scaled(sizes[i]):
+        with known.scaled(sizes[i]):
             return by_share(i, out)
 
     return loss_of
 
 
-def _count_loss_fn(loss_fn: Any, template: Any, rows: int, step: list[tuple[list, Any, int]], total: int, warn: Callable) -> StepCounts | None:
-    """The step's counts of ``loss_fn``'s reduced loss calls, from ``template`` (one
-    micro-batch's output of ``rows`` samples) made meta and every micro-batch's target."""
-    try:
-        parts = (count_calls(lambda t=t, n=n: loss_fn(meta_like(template, rows, n), t)) for _, t, n in step)
-        return add_counts(parts, total)
-    except Exception as err:  # noqa: BLE001 - any failure: the per-sample rule, said once
-        warn(err)
-        return None
+def count_loss_fn(loss_fn: Any, cases: Iterable[tuple[Any, Any]], total: int) -> StepCounts | None:
+    """The step's counts of ``loss_fn``'s reduced loss calls, from (a micro-batch's output
+    as meta tensors, its real target) per micro-batch of the step; None when it makes none.
+    Raises what ``loss_fn`` raises on them, and NormalisationError when micro-batches make
+    different calls."""
+    return add_counts((count_calls(lambda out=out, t=t: loss_fn(out, t)) for out, t in cases), total)
 
 
-__all__ = ["LossRule", "ModelLosses", "model_losses", "NormalisationError", "RULES", "StepCounts", "add_counts", "count_calls", "meta_like", "rule_of", "step_loss"]
+__all__ = ["Counter", "LossRule", "ModelLosses", "model_losses", "NormalisationError", "RULES", "StepCounts", "add_counts", "count_calls", "count_loss_fn", "meta_like", "rule_of", "step_loss"]

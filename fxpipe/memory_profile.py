@@ -49,14 +49,17 @@ def microbatch_inputs(part: Any, microbatches: int) -> tuple[list, int]:
     return inputs[0], sizes[0]
 
 
-def profile(part: Any, microbatches: int, recompute: Sequence[Recompute], offload: Sequence[bool]) -> list[MicrobatchMemory]:
+def profile(
+    part: Any, microbatches: int, recompute: Sequence[Recompute], offload: Sequence[bool], inputs: list | None = None
+) -> list[MicrobatchMemory]:
     """Per stage of ``part`` (a Partitioned), what one micro-batch keeps when the example
-    batch is cut into ``microbatches`` and stage ``s`` recomputes as ``recompute[s]`` and
-    offloads its saved tensors when ``offload[s]``.
+    batch is cut into ``microbatches`` (or given its flat ``inputs``) and stage ``s``
+    recomputes as ``recompute[s]`` and offloads its saved tensors when ``offload[s]``.
 
     Raises RuntimeError naming the stage when a stage cannot run on fake tensors.
     """
-    inputs, _ = microbatch_inputs(part, microbatches)
+    if inputs is None:
+        inputs, _ = microbatch_inputs(part, microbatches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         runners = [_fake_runner(part, s, mode, recompute[s], offload[s]) for s in range(part.num_stages)]

@@ -115,11 +115,15 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(part: Any, sizes: list[int], step: StepMemory, modules: dict[int, Any], schedule: str) -> MemoryReport:
+def memory_report(
+    part: Any, sizes: list[int], step: StepMemory, modules: dict[int, Any], schedule: str, inputs: list | None = None
+) -> MemoryReport:
     """The report of a step of ``part`` (its Partitioned) cut into micro-batches of
-    ``sizes`` that ran ``modules`` (this process's stage modules, by index)."""
+    ``sizes`` that ran ``modules`` (this process's stage modules, by index). Micro-batches
+    of different shapes (a listed step) give ``inputs``, the flat inputs of the one with
+    the most elements: every micro-batch is predicted as that one, an upper bound."""
     m = len(sizes)
-    choices = part.choices(m, size=max(sizes))
+    choices = part.choices(m, size=max(sizes), inputs=inputs)
     estimates = part.estimates(m, choices)
     rows = []
     for index, module in sorted(modules.items()):

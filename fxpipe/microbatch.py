@@ -1,9 +1,16 @@
 """Micro-batches: cut the batch along dim 0, and put outputs back together.
 
 A batch of N samples cut into m micro-batches gets sizes as even as possible
-(10 into 4 → 3, 3, 2, 2). Tensors whose dim 0 equals N are cut; everything else
-(non-tensor arguments, tensors of another leading size, 0-d tensors) is passed whole
-to every micro-batch. A step's target is cut the same way, and must be batch-sized.
+(10 into 4 → 3, 3, 2, 2). Tensors whose dim 0 equals N are cut, inside registered pytrees
+too (a dataclass or NamedTuple mask is cut leaf by leaf); everything else (non-tensor
+arguments, tensors of another leading size, 0-d tensors) is passed whole to every
+micro-batch. An object fxpipe cannot look into (not a registered pytree) that holds
+batch-sized tensors is an error: passed whole, every micro-batch would see the whole
+batch's. A step's target is cut the same way, and must be batch-sized.
+
+A step may instead be given its micro-batches as a list (``pipe.step(microbatches=[...])``):
+each entry one micro-batch's arguments, of any sizes. :func:`listed_calls` checks that
+the entries agree on everything but sizes (:func:`argument_structure`).
 
 Outputs are put back together by what they are, decided at compile time: an output
 whose dim 0 follows the input batch (``fxpipe.batched_outputs``) is concatenated; any
@@ -15,7 +22,8 @@ namedtuple fields joined by dots ("1", "aux", "0.aux"); a bare tensor's path is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -95,6 +103,131 @@ def split_step(inputs: Any, target: Any, m: int) -> tuple[list[Any], list[Any], 
     return [p[0] for p in pieces], [p[1] for p in pieces], sizes
 
 
+def tensors_inside(value: Any) -> list[torch.Tensor]:
+    """The tensors an object that is no tensor and no registered pytree holds in its
+    attributes (one level deep, and inside tuples, lists and dicts there): what passing it
+    whole would hand every micro-batch, or what a message between ranks cannot carry."""
+    if isinstance(value, torch.Tensor | nn.Module | type) or not hasattr(value, "__dict__"):
+        return []
+    found = []
+    for attribute in vars(value).values():
+        found += [t for t in pytree.tree_leaves(attribute) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def check_cuttable(values: Any, m: int) -> None:
+    """Raise MicrobatchError when an object in ``values`` (a call's arguments) that is no
+    tensor and no registered pytree holds tensors of the batch's size and the batch is cut
+    into ``m`` > 1 micro-batches: passed whole, every micro-batch would see the whole batch's."""
+    n = batch_size(values)
+    if m > 1 and n is not None:
+        for leaf in pytree.tree_leaves(values):
+            _check_cuttable(leaf, n)
+
+
+def _check_cuttable(value: Any, n: int) -> None:
+    batched = [t for t in tensors_inside(value) if t.dim() > 0 and t.shape[0] == n]
+    if batched:
+        kind = type(value).__name__
+        raise MicrobatchError(
+            f"an input of type {kind} holds tensors of the batch's size {n} (shape {tuple(batched[0].shape)}), but it is "
+            f"not a registered pytree, so fxpipe cannot cut it: every micro-batch would see the whole batch's. Register "
+            f"it (torch.utils._pytree.register_dataclass({kind}), or register_pytree_node), or build one per "
+            "micro-batch and pass pipe.step(microbatches=[...])"
+        )
+
+
+# ------------------------------------------------------------------ micro-batch lists
+def listed_calls(entries: Any, targets: Any, forward: Any) -> tuple[list[tuple[tuple, dict]], list[Any]]:
+    """The micro-batches of ``pipe.step(microbatches=entries, targets=targets)``.
+
+    Each entry is one micro-batch's positional arguments (a tuple), keyword arguments (a
+    dict) or its single tensor argument; ``forward`` is the model's forward, to bind them.
+    Returns ((args, kwargs) per micro-batch, one target per micro-batch: None each when
+    ``targets`` is None). Raises MicrobatchError for an empty list, an entry of another
+    kind, a targets list of another length, or entries whose arguments differ in anything
+    but sizes (naming the micro-batch and the argument).
+    """
+    if not isinstance(entries, list | tuple) or not entries:
+        raise MicrobatchError(
+            f"microbatches= must be a non-empty list of micro-batches (got {describe(entries)}): one entry per "
+            "micro-batch, each a tuple of positional arguments, a dict of keyword arguments or a tensor"
+        )
+    calls = [_call_of(i, entry) for i, entry in enumerate(entries)]
+    if targets is None:
+        targets = [None] * len(calls)
+    elif not isinstance(targets, list | tuple) or len(targets) != len(calls):
+        count = f"has {len(targets)} entries" if isinstance(targets, list | tuple) else f"is of type {type(targets).__name__}"
+        raise MicrobatchError(
+            f"targets= {count} but microbatches= has {len(calls)}: pass a list with one target per micro-batch "
+            "(targets[i] is scored against micro-batch i's output)"
+        )
+    signature = inspect.signature(forward)
+    first = argument_structure(signature, 0, *calls[0])
+    for i, call in enumerate(calls[1:], start=1):
+        differences = [f"{name}: {a} -> {b}" for name, a, b in _paired(first, argument_structure(signature, i, *call))]
+        if differences:
+            raise MicrobatchError(
+                f"micro-batch {i} passes other arguments than micro-batch 0 ({'; '.join(differences)}): the entries of "
+                "microbatches= may differ in their tensors' sizes only (sequence length, batch size), not in which "
+                "arguments are given, their dtypes, ranks, containers or constants; run the others in a step of their own"
+            )
+    return calls, list(targets)
+
+
+def _call_of(i: int, entry: Any) -> tuple[tuple, dict]:
+    if isinstance(entry, torch.Tensor):
+        return (entry,), {}
+    if isinstance(entry, tuple):
+        return entry, {}
+    if isinstance(entry, Mapping):
+        return (), dict(entry)
+    raise MicrobatchError(
+        f"microbatches[{i}] is of type {type(entry).__name__}: pass each micro-batch as a tuple of positional "
+        "arguments, a dict of keyword arguments, or a single tensor"
+    )
+
+
+def argument_structure(signature: inspect.Signature, i: int, args: tuple, kwargs: dict) -> dict[str, tuple[str, str]]:
+    """Micro-batch ``i``'s arguments bound to the forward's ``signature`` (defaults applied),
+    each described without its sizes: (what to show, ``int64[*, *]``, ``None``,
+    ``DocumentMask(int64[*, *], 0)``; what to compare, the pytree structure too). Raises
+    MicrobatchError when they do not fit the forward."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise MicrobatchError(f"microbatches[{i}] does not fit the model's forward{signature}: {err}") from None
+    bound.apply_defaults()
+    return {name: _shape_free(value) for name, value in bound.arguments.items()}
+
+
+def _shape_free(value: Any) -> tuple[str, str]:
+    leaves, spec = pytree.tree_flatten(value)
+    described = [
+        f"{str(t.dtype).replace('torch.', '')}[{', '.join('*' * t.dim())}]" if isinstance(t, torch.Tensor) else repr(t)
+        for t in leaves
+    ]
+    return _rendered(spec, iter(described)), f"{spec} {described}"
+
+
+def _rendered(spec: pytree.TreeSpec, leaves: Iterator[str]) -> str:
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_rendered(child, leaves) for child in spec.children()]
+    if spec.type is dict:
+        return "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(spec.context, children)) + "}"
+    if spec.type is type(None):
+        return "None"
+    return f"{spec.type.__name__}({', '.join(children)})"
+
+
+def _paired(first: dict[str, tuple[str, str]], other: dict[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """(argument, micro-batch 0's, the other's) for every argument whose structure differs."""
+    absent = ("absent", "absent")
+    pairs = [(name, first.get(name, absent), other.get(name, absent)) for name in {**first, **other}]
+    return [(name, a[0], b[0]) for name, a, b in pairs if a[1] != b[1]]
+
+
 # ------------------------------------------------------------------ output paths
 def leaves_with_paths(tree: Any) -> list[tuple[tuple, Any]]:
     """(key path, leaf) for every leaf, in ``pytree.tree_leaves`` order."""
@@ -154,6 +287,18 @@ def describe(value: Any) -> str:
         return type(v).__name__
 
     return f"{type(value).__name__} {inner(value)}"
+
+
+def signature(value: Any) -> tuple:
+    """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
+    leaves, spec = pytree.tree_flatten(value)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+        else:
+            parts.append(("C", repr(leaf)))
+    return (str(spec), tuple(parts))
 
 
 def structure(values: Any) -> tuple:
@@ -285,7 +430,8 @@ def loss_weights(sizes: list[int], loss_fn: Any, total: int | None = None, scale
 def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: list[float]) -> Any:
     """``loss_of(i, stage_output)``: micro-batch i's loss times ``weights[i]``.
 
-    ``build_output`` turns the last stage's output into what the model returns. Without a
+    ``build_output(i, out)`` turns micro-batch i's last-stage output into what the model
+    returns. Without a
     ``loss_fn`` the model's output (or its ``.loss``) must be a scalar loss; otherwise
     ``loss_of`` raises ValueError saying so. When ``loss_fn`` fails on an output that is
     not a tensor (a tuple, a dict) with a TypeError or AttributeError, ``loss_of`` raises
@@ -293,7 +439,7 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
     """
 
     def loss_of(i: int, out: Any) -> torch.Tensor:
-        out = build_output(out)
+        out = build_output(i, out)
         if loss_fn is not None:
             try:
                 loss = loss_fn(out, targets[i])

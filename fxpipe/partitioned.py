@@ -9,7 +9,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fxpipe import format as fmt
 from fxpipe import memory_profile
@@ -230,36 +232,45 @@ class Partitioned:
         return predicted_timeline(self.estimates(m, choices), self.actions(m), self.partitioned.edges, self.devices, self.plan, m, self.calibration)
 
     def choices(
-        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None, size: int | None = None
+        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None,
+        size: int | None = None, inputs: list | None = None,
     ) -> StageChoices:
         """What each stage keeps for backward (its own recompute and offload unless given)
         with the memory profile of that choice (see :meth:`memory_profile`)."""
         recompute = list(recompute if recompute is not None else (s.recompute for s in self.stages))
         offload = list(offload if offload is not None else (s.offload for s in self.stages))
-        return StageChoices(recompute, offload, self.memory_profile(microbatches, recompute, offload, size))
+        return StageChoices(recompute, offload, self.memory_profile(microbatches, recompute, offload, size, inputs))
 
     def memory_profile(
-        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None, size: int | None = None
+        self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None,
+        size: int | None = None, inputs: list | None = None,
     ) -> list[MicrobatchMemory] | None:
         """Per stage, what one micro-batch keeps for backward (``fxpipe.memory_profile``),
         by default under the stages' own recompute and offload: run on fake tensors at the
         plan's micro-batch once per choice, then scaled to a micro-batch of ``size``
         samples (default: the first piece of the example batch cut into
-        ``microbatches``). None, said once in ``notes``, when a stage cannot run on fake
-        tensors."""
+        ``microbatches``). Given ``inputs`` (one micro-batch's flat model inputs), run on
+        fake tensors of their shapes instead, unscaled (once per choice and shapes). None,
+        said once in ``notes``, when a stage cannot run on fake tensors."""
         recompute = tuple(recompute if recompute is not None else (s.recompute for s in self.stages))
         offload = tuple(offload if offload is not None else (s.offload for s in self.stages))
-        key = (recompute, offload)
+        shapes = None if inputs is None else tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(inputs))
+        key = (recompute, offload) if shapes is None else (recompute, offload, shapes)
         if key not in self.profiles:
             try:
-                at = memory_profile.microbatch_inputs(self, self.plan.microbatches)[1]
-                self.profiles[key] = (at, memory_profile.profile(self, self.plan.microbatches, recompute, offload))
+                if inputs is None:
+                    at = memory_profile.microbatch_inputs(self, self.plan.microbatches)[1]
+                    self.profiles[key] = (at, memory_profile.profile(self, self.plan.microbatches, recompute, offload))
+                else:
+                    self.profiles[key] = (None, memory_profile.profile(self, self.plan.microbatches, recompute, offload, inputs))
             except RuntimeError as err:
                 self.profiles[key] = (0, None)
                 self.notes.append(f"memory predicted from output sizes: {err}")
         at, measured = self.profiles[key]
         if measured is None:
             return None
+        if at is None:
+            return measured
         if size is None:
             size = memory_profile.microbatch_inputs(self, microbatches or self.plan.microbatches)[1]
         return measured if size == at else [kept.scaled(size / at) for kept in measured]

@@ -59,3 +59,13 @@ def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) 
     goals = re.findall(r"^\s+.+?\s+(\d+\.\d+)x\s+<= [\d.]+x\s+(met|NOT met)$", out, re.M)
     assert len(goals) == 4, out
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_varlen_benchmark_prints_the_equal_length_ratio_the_padding_speed_up_and_the_shape_costs() -> None:
+    out = run("varlen.py", "--quick")
+    assert re.search(r"varlen / equal: \d+\.\d+x \(goal <= 1\.3\)", out), out
+    assert re.search(r"speed-up over padding to the longest: \d+\.\d+x", out), out
+    difference = float(re.search(r"largest loss difference (\S+)", out).group(1))
+    assert difference < 1e-4, out  # padding with -100 targets scores the same tokens
+    assert re.search(r"edge shapes: derive \d+\.\d+ ms per new signature, look up \d+ µs per step, exchange \d+ µs per step", out), out

@@ -69,7 +69,7 @@ def eager_reference(model: nn.Module, args: tuple, target: torch.Tensor, m: int)
     """A copy of ``model`` after eager forward/backward over the pipeline's micro-batches."""
     ref = copy.deepcopy(model)
     pieces, sizes = microbatch.split((list(args), target), m)
-    loss_of = microbatch.weighted_loss(CE, lambda out: out, [p[1] for p in pieces], microbatch.loss_weights(sizes, CE))
+    loss_of = microbatch.weighted_loss(CE, lambda i, out: out, [p[1] for p in pieces], microbatch.loss_weights(sizes, CE))
     total = 0.0
     for i, (inputs, _) in enumerate(pieces):
         loss = loss_of(i, ref(*inputs))

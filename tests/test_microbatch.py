@@ -168,9 +168,9 @@ def test_step_inputs_and_targets_are_cut_together() -> None:
 
 def test_a_loss_given_a_tuple_says_which_part_to_pass() -> None:
     out = (torch.randn(4, 3), torch.tensor(0.5))
-    loss_of = weighted_loss(nn.CrossEntropyLoss(), lambda o: o, [torch.zeros(4, dtype=torch.long)], [1.0])
+    loss_of = weighted_loss(nn.CrossEntropyLoss(), lambda i, o: o, [torch.zeros(4, dtype=torch.long)], [1.0])
     with pytest.raises(LossFunctionError, match=r"CrossEntropyLoss.*tuple \(Tensor\[4, 3\], Tensor\[\]\).*ce = CrossEntropyLoss\(\); loss_fn=lambda out, t: ce\(out\[0\], t\)"):
         loss_of(0, out)
-    loss_of = weighted_loss(torch.nn.functional.mse_loss, lambda o: o, [torch.zeros(4, 3)], [1.0])
+    loss_of = weighted_loss(torch.nn.functional.mse_loss, lambda i, o: o, [torch.zeros(4, 3)], [1.0])
     with pytest.raises(LossFunctionError, match=r"dict \{'aux': Tensor\[\], 'logits': Tensor\[4, 3\]\}.*mse_loss\(out\['logits'\], t\)"):
         loss_of(0, {"aux": out[1], "logits": out[0]})

@@ -84,6 +84,8 @@ def messages_for(
         for e in edges:
             peer = rank_of_stage(edge_ends[e][end])
             leaves = spec(e, i).tensors if kind == ACT else spec(e, i).grads
+            if peer != rank and kind == ACT:
+                _check_sendable(spec(e, i), e, edge_ends[e], peer)
             if peer != rank and leaves:
                 out.append(Message(kind, e, i, peer, tuple(leaves)))
         return out
@@ -97,6 +99,20 @@ def messages_for(
         kind, edges = outbound(action, recv_edges[s], send_edges[s])  # an ACT to the consumer (end 1)
         sends.append(remote(kind, edges, 1 if kind == ACT else 0, i))
     return ActionMessages(recvs, sends)
+
+
+def _check_sendable(value: ValueSpec, edge: int, ends: tuple[int, int], peer: int) -> None:
+    """Raise CommPlanError when an edge value holds tensors inside an object that is not a
+    registered pytree: only tensor leaves travel, so the receiver would see the object of
+    the signature's fake run instead of this micro-batch's."""
+    if value.unsendable:
+        kind = value.unsendable[0]
+        raise CommPlanError(
+            f"the value on edge {edge} (stage {ends[0]} -> stage {ends[1]}, rank {peer}) holds tensors inside an object of type {kind}, "
+            f"which is not a registered pytree, so they cannot be sent: only tensors and constants travel between ranks. "
+            f"Register it (torch.utils._pytree.register_dataclass({kind}), or register_pytree_node) so its tensors travel "
+            "with each micro-batch"
+        )
 
 
 def in_sender_order(plans: dict[int, ActionMessages]) -> dict[int, ActionMessages]:

@@ -27,7 +27,9 @@ from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
-from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
+from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras
+from fxpipe.loss_scale import StepCounts
+from fxpipe.microbatch import signature
 from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
@@ -191,30 +193,34 @@ class DistributedPipeline(PipelineBase):
     def _programs_first(self) -> RankProgram:
         return next(iter(self._programs.values()))
 
-    def _edge_specs(self, program: RankProgram, inputs: list[list], ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
+    def _edge_specs(self, batch: Batch, ctx: StepContext) -> tuple[list[dict[int, ValueSpec]], tuple]:
         """Each micro-batch's edge specs, derived once per input signature (shapes and
-        dtypes of the inputs, train or not, the stages' modes and the caller's autocast)."""
-        modes = tuple(m.training for m in program.skeletons)
-        stages = program.part.stages
-        recv, send = [st.recv_ids for st in stages], [st.send_ids for st in stages]
+        dtypes of the inputs, train or not, the stages' modes and the caller's autocast)
+        on its own program's skeletons, and the step's key: every micro-batch's."""
         keys = []
-        for flat in inputs:
+        for program, flat in zip(batch.programs, batch.inputs):
+            modes = tuple(m.training for m in program.skeletons)
             key = (signature(flat), ctx.train, modes, ctx.autocast)
             if key not in program.specs:
-                extras = [fake_extras(st) for st in stages]
+                stages = program.part.stages
                 program.specs[key] = derive_edge_specs(
-                    program.skeletons, recv, send, flat, ctx.train, ctx.autocast, extras, replay=self._compiler.fake_replay()
+                    program.skeletons, [st.recv_ids for st in stages], [st.send_ids for st in stages], flat, ctx.train,
+                    ctx.autocast, [fake_extras(st) for st in stages], replay=self._compiler.fake_replay(),
                 )
             keys.append(key)
-        return [program.specs[k] for k in keys], tuple(keys)
+        return [p.specs[k] for p, k in zip(batch.programs, keys)], tuple(keys)
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         program = batch.program
-        specs, key = self._edge_specs(program, batch.inputs, ctx)
         actions = program.part.actions(len(batch.inputs), ctx.train)
-        spec = lambda e, i: specs[i][e]  # noqa: E731
-        if key not in program.messages:  # key holds ``train`` already
-            program.messages[key] = self._plan_messages(program, actions, spec)
+        with startup.failures_recorded(self.watchdog):  # a value that cannot travel: the other ranks name this one
+            self.watchdog.running("deriving the step's edge shapes")
+            specs, key = self._edge_specs(batch, ctx)
+            spec = lambda e, i: specs[i][e]  # noqa: E731
+            if key not in program.messages:  # key holds ``train`` already
+                if len(program.messages) >= _MESSAGE_PLANS:  # listed steps of ever new lengths: keep the latest
+                    program.messages.pop(next(iter(program.messages)))
+                program.messages[key] = self._plan_messages(program, actions, spec)
         mine = actions[self.layout.worker]
         hooks = list(self.action_hooks)
         if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete
@@ -222,7 +228,7 @@ class DistributedPipeline(PipelineBase):
         if ctx.train:
             self._tied.before_step()
         self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
-        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks)
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks, microbatch_runners=batch.microbatch_runners())
         self._last_events = self.executor.run(mine, program.messages[key], spec, step)
         self._calls += 1
         gathered.publish(self.watchdog, self._calls, self._last_events, self._step_started, str(self.device))
@@ -254,11 +260,32 @@ class DistributedPipeline(PipelineBase):
     def _holds_last(self) -> bool:
         return self.is_last
 
-    def _loss_function(self, loss_fn: Any, batch: Batch, counted: bool = False) -> Any:
+    def _loss_function(self, loss_fn: Any, batch: Batch, counts: Any) -> Any:
         if not self.is_last:
             return None
         batch.targets = [move(t, self.device, detach=True) for t in batch.targets]  # the target goes where the last stage's output is
-        return super()._loss_function(loss_fn, batch, counted)
+        return super()._loss_function(loss_fn, batch, counts)
+
+    def _over_replicas(self, total: int, counts: StepCounts | None) -> tuple[int, StepCounts | None]:
+        """A listed step's samples and counts over every replica, from this one's: the ranks
+        holding the last stage (one per replica, one data-parallel group) gather each
+        replica's (samples, counted or not, calls), then add the counts when every replica
+        counted the same calls (otherwise every replica weights per sample: None)."""
+        if self.replicas == 1:
+            return total, counts
+        group = self._dp_group
+        mine = torch.tensor([total, counts is not None, len(counts.counts) if counts else 0], dtype=torch.float64, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.replicas)]
+        work = dist.all_gather(everyone, mine, group=group, async_op=True)
+        self.watchdog.wait([(work, None)], lambda: "every replica's micro-batch counts", peers=range(self.world_size))
+        total = int(sum(float(g[0]) for g in everyone))
+        calls = {int(g[2]) for g in everyone}
+        if counts is None or not all(bool(g[1]) for g in everyone) or len(calls) != 1:
+            return total, None
+        added = torch.tensor(counts.counts, dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(added, group=group, async_op=True)
+        self.watchdog.wait([(work, None)], lambda: "every replica's micro-batch counts", peers=range(self.world_size))
+        return total, StepCounts(counts.reductions, added.tolist(), total)
 
     def _output(self, batch: Batch, ctx: StepContext) -> Any:
         """The model's output on the ranks holding the last stage (this replica's shard of
@@ -336,6 +363,7 @@ class DistributedPipeline(PipelineBase):
 
 
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_MESSAGE_PLANS = 64  # message plans kept per program: one per combination of micro-batch signatures
 
 
 __all__ = ["DistributedPipeline", "RankFailedError"]

@@ -25,6 +25,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fxpipe.microbatch import tensors_inside
+
 
 class SignatureError(RuntimeError):
     """A stage cannot be run on fake tensors (its output depends on the data)."""
@@ -52,6 +54,12 @@ class ValueSpec:
         return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec)]
 
     @cached_property
+    def unsendable(self) -> list[str]:
+        """The types of the constant leaves that hold tensors (objects that are no
+        registered pytree): a message cannot carry them."""
+        return [type(leaf).__name__ for leaf in self.leaves if not isinstance(leaf, LeafSpec) and tensors_inside(leaf)]
+
+    @cached_property
     def grads(self) -> list[int]:
         """Positions of the tensor leaves whose gradient goes back to the producer."""
         return [k for k, leaf in enumerate(self.leaves) if isinstance(leaf, LeafSpec) and leaf.requires_grad]
@@ -62,19 +70,6 @@ class ValueSpec:
         it = iter(tensors)
         leaves = [next(it).requires_grad_(leaf.requires_grad) if isinstance(leaf, LeafSpec) else leaf for leaf in self.leaves]
         return pytree.tree_unflatten(leaves, self.treespec)
-
-
-def signature(value: Any) -> tuple:
-    """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
-    leaves, spec = pytree.tree_flatten(value)
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
-        else:
-            parts.append(("C", repr(leaf)))
-    return (str(spec), tuple(parts))
-
 
 
 def value_spec(value: Any) -> ValueSpec:

@@ -65,7 +65,11 @@ class Step:
     the model's flat inputs (stage 0 reads them; micro-batches may differ in shape);
     runners: the stages this process runs, by index; edge_ends: (producer stage, consumer
     stage) per edge id; hooks: called around every action; faults: the armed test faults
-    (read once, by the calling thread); origin: time zero of the recorded events.
+    (read once, by the calling thread); origin: time zero of the recorded events;
+    microbatch_runners: per micro-batch, the runners of its own program, when the
+    micro-batches of a call were traced for different input signatures (another sequence
+    length under torch.export): the same stages on the same parameters and edges, each
+    compiled for its shapes (see :meth:`runner`).
     """
 
     ctx: StepContext
@@ -75,6 +79,13 @@ class Step:
     hooks: Sequence[ActionHook] = ()
     faults: inject.Faults | None = field(default_factory=inject.armed)
     origin: float = field(default_factory=time.perf_counter)
+    microbatch_runners: Sequence[Mapping[int, StageRunner]] | None = None
+
+    def runner(self, action: Action) -> StageRunner:
+        """The runner of ``action``'s stage for its micro-batch."""
+        if self.microbatch_runners is not None:
+            return self.microbatch_runners[action.microbatch][action.stage]
+        return self.runners[action.stage]
 
 
 class Transport(Protocol):
@@ -160,7 +171,7 @@ def interpret(actions: Sequence[Action], step: Step, transport: Transport) -> li
     recorded (in order). Raises what ``transport.failed`` makes of the first error."""
     events: list[Event] = []
     for k, action in enumerate(actions):
-        runner = step.runners[action.stage]
+        runner = step.runner(action)
         try:
             events += _run_action(k, action, runner, step, transport)
         except Exception as err:

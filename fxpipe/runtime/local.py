@@ -282,7 +282,7 @@ class LocalExecutor:
                 seen.add(nxt)
                 culprit = nxt
             action = states[culprit].action
-            runner = step.runners[action.stage]
+            runner = step.runner(action)
             where = runner.name or str(runner.device)
             head = (
                 f"stage {action.stage} on {where} has been running {action} (micro-batch {action.microbatch}) "

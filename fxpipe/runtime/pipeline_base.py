@@ -2,11 +2,12 @@
 
 The module-like API over the tensors this process holds (``named_parameters``,
 ``state_dict``, ``load_state_dict``, ``zero_grad``, ``train``), the micro-batch split
-(data-parallel replicas take their shard first), the per-micro-batch loss weights, the
-cache of programs per input signature and the call/step flow (the schedule is the
-program's partition's: ``part.actions(m, train)``). A subclass says how one call executes
-(``_execute``), what the caller gets back (``_output``, ``_step_loss``) and what follows a
-``load_state_dict`` (``_after_load``).
+(data-parallel replicas take their shard first) or the caller's own list of micro-batches
+(``microbatches=[...]``: of any sizes, each run by its own signature's program), the
+per-micro-batch loss weights, the cache of programs per input signature and the call/step
+flow (the schedule is the program's partition's: ``part.actions(m, train)``). A subclass
+says how one call executes (``_execute``), what the caller gets back (``_output``,
+``_step_loss``) and what follows a ``load_state_dict`` (``_after_load``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from fxpipe import loss_scale, microbatch
 from fxpipe.memory_report import MemoryReport, memory_report
+from fxpipe.microbatch import MicrobatchError
 from fxpipe.placement import skeleton
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import ActionHook
@@ -43,11 +45,15 @@ class Compiler:
     which tensor outputs follow the batch, asked on fake tensors
     (``fxpipe.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
+    output_like(model, args, kwargs): the model's output for a call as meta tensors, from
+    one run on fake tensors (``fxpipe.batched_outputs.output_like``): what a step's loss
+    counts are taken from before its micro-batches run.
     """
 
     retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
     batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
     fake_replay: Callable[[], Any]
+    output_like: Callable[[nn.Module, tuple, dict], Any]
 
 
 @dataclass
@@ -71,38 +77,74 @@ class Program:
 @dataclass
 class Batch:
     """One call's micro-batches on this process: flat model inputs and targets per
-    micro-batch, their sizes, the samples of the whole batch (all replicas), and the
-    global index of the first micro-batch here."""
+    micro-batch, their sizes, the samples of the whole step (all replicas), and the
+    global index of the first micro-batch here.
+
+    programs: per micro-batch, the compiled stages of its input signature (one program
+    for all when the batch was cut; a listed micro-batch of another length may have its
+    own); listed: the caller passed the micro-batches as a list, ``calls`` holding each
+    one's (args, kwargs); whole / call: the flat inputs before the cut and the call's own
+    arguments (a batch that was cut); step: every replica's (inputs, target, size) as far
+    as this process knows them (a listed step: this replica's).
+    """
 
     inputs: list[list]
     targets: list[Any]
     sizes: list[int]
     total: int
     first: int = 0
-    whole: Any = None  # the flat inputs before the cut
-    call: tuple[tuple, dict] = ((), {})  # the call's own arguments
-    program: Program | None = None  # the compiled stages of the call's signature
-    step: list[tuple[list, Any, int]] = field(default_factory=list)  # every replica's (inputs, target, size)
+    whole: Any = None
+    call: tuple[tuple, dict] = ((), {})
+    programs: list[Program] = field(default_factory=list)
+    step: list[tuple[list, Any, int]] = field(default_factory=list)
+    listed: bool = False
+    calls: list[tuple[tuple, dict]] = field(default_factory=list)
+
+    def largest(self) -> tuple[Any, list | None]:
+        """The partition to predict this step's memory from, and the flat inputs of its
+        largest micro-batch (most elements) when the micro-batches were listed (None when
+        cut: pieces of one batch are predicted from their sample count)."""
+        if not self.listed:
+            return self.program.part, None
+        numel = [sum(x.numel() for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)) for inputs in self.inputs]
+        i = numel.index(max(numel))
+        return self.programs[i].part, self.inputs[i]
+
+    @property
+    def program(self) -> Program:
+        """The first micro-batch's program (the only one when the batch was cut)."""
+        return self.programs[0]
+
+    def microbatch_runners(self) -> list[dict[int, StageRunner]] | None:
+        """Per micro-batch, the runners of its program when the micro-batches use more than one."""
+        if all(p is self.programs[0] for p in self.programs):
+            return None
+        return [p.runners for p in self.programs]
+
+    def build_output(self, i: int, out: Any) -> Any:
+        """What the model returns, from micro-batch ``i``'s last-stage output."""
+        return self.programs[i].part.build_output(out)
 
     def input_gradient_leaves(self) -> list[tuple[torch.Tensor, list[torch.Tensor], bool]]:
         """Give every micro-batch piece of an input that requires grad its own autograd leaf.
 
         Returns (the caller's tensor, its pieces' leaves, whether it was cut or passed whole)
         for :meth:`backward_inputs`. The caller's tensor may be a non-leaf: its graph is then
-        backpropagated once, after the step, as eager's single backward does.
+        backpropagated once, after the step, as eager's single backward does. A listed
+        micro-batch's tensors are the caller's own (a tensor in several micro-batches
+        gets the sum of their gradients).
         """
-        originals = pytree.tree_leaves(self.whole)
-        wanted = [k for k, t in enumerate(originals) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not wanted:
-            return []
-        leaves: dict[int, list[torch.Tensor]] = {k: [] for k in wanted}
+        originals = [pytree.tree_leaves(flat) for flat in self.inputs] if self.listed else [pytree.tree_leaves(self.whole)] * len(self.inputs)
+        wanted: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for i, flat in enumerate(self.inputs):
             pieces, spec = pytree.tree_flatten(flat)
-            for k in wanted:
-                pieces[k] = pieces[k].detach().requires_grad_()
-                leaves[k].append(pieces[k])
+            for k, original in enumerate(originals[i]):
+                if isinstance(original, torch.Tensor) and original.requires_grad:
+                    pieces[k] = pieces[k].detach().requires_grad_()
+                    # a cut input's pieces by position; the caller's own tensors by identity
+                    wanted.setdefault(id(original) if self.listed else k, (original, []))[1].append(pieces[k])
             self.inputs[i] = pytree.tree_unflatten(pieces, spec)
-        return [(originals[k], leaves[k], leaves[k][0].shape != originals[k].shape) for k in wanted]
+        return [(original, leaves, leaves[0].shape != original.shape) for original, leaves in wanted.values()]
 
     @staticmethod
     def backward_inputs(wanted: list[tuple[torch.Tensor, list[torch.Tensor], bool]]) -> None:
@@ -142,6 +184,28 @@ def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Excepti
     return wrapped
 
 
+def _check_same_edges(programs: list[Program]) -> None:
+    """Raise MicrobatchError when two micro-batches' programs cross the stages on other
+    edges: one step's messages and hand-offs are planned on one set of edges."""
+    def edges(program: Program) -> tuple:
+        return tuple(program.part.edge_ends), tuple((tuple(s.recv_ids), tuple(s.send_ids)) for s in program.part.stages)
+
+    first = edges(programs[0])
+    for i, program in enumerate(programs):
+        if program is not programs[0] and edges(program) != first:
+            raise MicrobatchError(
+                f"micro-batch {i}'s input signature ({program.part.key.brief()}) was traced into stages that exchange "
+                f"other values than micro-batch 0's ({programs[0].part.key.brief()}), so they cannot run in one step; "
+                "run them in steps of their own, or trace once for every size (Plan(frontend='fx'))"
+            )
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule holding buffer ``name``, its attribute name)."""
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
+
+
 class PipelineBase(PipelineViews):
     """A compiled model's stages on this process, run on the plan's schedule.
 
@@ -170,11 +234,12 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._batched: dict[tuple, dict[str, bool]] = {}
+        self._outputs_like: dict[tuple, Any] = {}  # a listed step's outputs as meta tensors, per input shapes
         self._programs: dict[Any, Program] = {}
         self._last_events: list = []
         # called around every action this process runs (see fxpipe.runtime.interpret.ActionHook)
         self.action_hooks: list[ActionHook] = []
-        self._last_memory: tuple | None = None  # the last measured step's (Partitioned, micro-batch sizes, StepMemory, modules)
+        self._last_memory: tuple | None = None  # the last measured step's (Partitioned, largest listed inputs or None, micro-batch sizes, StepMemory, modules)
         self._measured: set[tuple[int, int]] = set()  # (program, micro-batch count) measured already
         self._random = any("rng_seed" in s.extra_inputs for s in part.stages)
 
@@ -233,13 +298,28 @@ class PipelineBase(PipelineViews):
         training step."""
         if self._last_memory is None:
             raise RuntimeError("no training step has run yet: call pipe.step(...) first, then pipe.memory()")
-        part, sizes, step, modules = self._last_memory
-        return memory_report(part, sizes, step, modules, describe_schedule(self.plan.schedule))
+        part, inputs, sizes, step, modules = self._last_memory
+        return memory_report(part, sizes, step, modules, describe_schedule(self.plan.schedule), inputs)
+
+    def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any) -> Batch:
+        """This process's micro-batches of a call: the batch cut (:meth:`_split`), or the
+        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is given."""
+        if microbatches is None:
+            if targets is not None:
+                raise MicrobatchError("targets=[...] goes with microbatches=[...]; a batch's target is passed as target=")
+            return self._split(args, kwargs, target)
+        if args or kwargs or target is not None:
+            raise MicrobatchError(
+                "pass either one batch's arguments (cut into Plan.microbatches micro-batches) or microbatches=[...], not "
+                "both; with microbatches=, each micro-batch's target goes in targets=[...]"
+            )
+        return self._listed(microbatches, targets)
 
     def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism),
         with the compiled stages of the call's signature; ``Batch.step`` holds every
         replica's micro-batches (for the step's loss counts)."""
+        microbatch.check_cuttable((args, kwargs), self.plan.microbatches * self.replicas)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
@@ -249,24 +329,45 @@ class PipelineBase(PipelineViews):
             shards = list(zip(pieces, targets))
         cuts = [microbatch.split_step(f, t, self.plan.microbatches) for f, t in shards]
         inputs, targets, sizes = cuts[self.replica]
-        batch = Batch(inputs, targets, sizes, total, self.replica * len(inputs), shards[self.replica][0], (args, kwargs), program)
+        first = self.replica * len(inputs)
+        batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
         batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
         return batch
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _listed(self, entries: Any, targets: Any) -> Batch:
+        """The caller's micro-batches (this replica's, under data parallelism), each bound to
+        the program of its own input signature (traced once per signature: a length seen
+        before costs nothing). ``Batch.total`` is this replica's samples until the step's
+        counts are known (:meth:`_listed_counts`). Raises what ``microbatch.listed_calls``
+        raises, and MicrobatchError when two micro-batches' programs cut other edges."""
+        calls, targets = microbatch.listed_calls(entries, targets, self._model.forward)
+        programs = [self._program(args, kwargs) for args, kwargs in calls]
+        _check_same_edges(programs)
+        inputs = [p.part.bind_inputs(args, kwargs) for p, (args, kwargs) in zip(programs, calls)]
+        sizes = [microbatch.batch_size(flat) or 1 for flat in inputs]
+        batch = Batch(inputs, targets, sizes, sum(sizes), self.replica * len(inputs), programs=programs, listed=True, calls=calls)
+        batch.step = list(zip(inputs, targets, sizes))
+        return batch
+
+    def __call__(self, *args: Any, microbatches: list | None = None, **kwargs: Any) -> Any:
         """Forward through all stages over micro-batches; equals ``model(*args, **kwargs)``.
 
-        Stages keep autograd history when grad mode is on, so ``pipe(x).sum().backward()``
-        works too (not pipelined; use ``step`` for a scheduled backward).
+        ``pipe(microbatches=[...])`` runs the caller's micro-batches instead (each entry a
+        tuple of positional arguments, a dict of keyword arguments or a tensor; sizes may
+        differ) and returns the list of their outputs. Stages keep autograd history when
+        grad mode is on, so ``pipe(x).sum().backward()`` works too (not pipelined; use
+        ``step`` for a scheduled backward).
         """
-        batch = self._split(args, kwargs, None)
+        batch = self._batch(args, kwargs, None, microbatches, None)
         ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
         self._execute(batch, ctx)
         return self._output(batch, ctx)
 
     forward = __call__
 
-    def step(self, *args: Any, target: Any = None, loss_fn: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(
+        self, *args: Any, target: Any = None, loss_fn: Any = None, microbatches: list | None = None, targets: list | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """One training step's forward and backward on the schedule; returns the loss.
 
         Every parameter's ``.grad`` accumulates exactly what eager
@@ -276,68 +377,119 @@ class PipelineBase(PipelineViews):
         (docs/training-loop.md); an input with ``requires_grad`` gets its ``.grad`` as in eager. Without a loss
         function the model's output must be a scalar loss. Gradients are computed under
         ``torch.no_grad()`` too (a step is a backward); the caller's autocast applies to
-        every stage and to the loss. Raises MicrobatchError for more micro-batches than
-        samples, PipelineError (RankFailedError when distributed) naming the failing stage.
+        every stage and to the loss.
+
+        ``step(microbatches=[...], targets=[...])`` runs the caller's micro-batches, of any
+        sizes (no padding), as one step: the loss and gradients are eager's over the same
+        micro-batches one after another, a mean loss normalised over the whole step (every
+        replica's micro-batches under data parallelism, each replica passing its own list).
+
+        Raises MicrobatchError for more micro-batches than samples, or a list of
+        micro-batches that disagree (:func:`fxpipe.microbatch.listed_calls`), PipelineError
+        (RankFailedError when distributed) naming the failing stage.
         """
         loss_fn = loss_fn or self.loss_fn
-        batch = self._split(args, kwargs, target)
-        scaling = None
-        if loss_fn is None and self._holds_last():
-            counts = self._model_loss_counts(batch)
-            scaling = counts.scaled if counts is not None else None
-        loss_of = self._loss_function(loss_fn, batch, scaling is not None)
+        batch = self._batch(args, kwargs, target, microbatches, targets)
+        counts = self._step_counts(loss_fn, batch) if self._holds_last() else None
+        loss_of = self._loss_function(loss_fn, batch, counts)
         wanted = batch.input_gradient_leaves()
         ctx = StepContext.capture(train=True, loss_of=loss_of, microbatch_base=batch.first, random=self._random)
-        if scaling is not None:
-            ctx.last_stage_scaling = lambda i: scaling(batch.sizes[i])
+        if loss_fn is None and isinstance(counts, loss_scale.StepCounts):  # the model's own loss calls, in its last stage
+            ctx.last_stage_scaling = lambda i: counts.scaled(batch.sizes[i])
         runners = batch.program.runners
         # a step's memory repeats (the same code on the same shapes in the same order): it is
-        # measured in the first step of each signature and micro-batch count only
-        measured = (id(batch.program), len(batch.inputs))
+        # measured in the first step of each signature (of each listed micro-batch) and micro-batch count only
+        measured = (tuple(id(p) for p in batch.programs), len(batch.inputs))
         ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
         self._execute(batch, ctx)
         batch.backward_inputs(wanted)
         if ctx.memory.measured:
             self._measured.add(measured)
             modules = {s: r.module for s, r in runners.items()}
-            self._last_memory = (batch.program.part, batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)
+            self._last_memory = (*batch.largest(), batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)
         return self._step_loss(ctx)
 
     def _holds_last(self) -> bool:
         """Whether this process runs the last stage (where the loss is computed)."""
         return True
 
-    def _model_loss_counts(self, batch: Batch) -> loss_scale.StepCounts | None:
-        """The counts of the loss calls a model computing its own loss makes in its last
-        stage, over the whole step; None (with a warning, once) when they cannot be known."""
-        losses = batch.program.part.model_losses
-        if losses is None:
-            return None
+    def _step_counts(self, loss_fn: Any, batch: Batch) -> loss_scale.StepCounts | loss_scale.Counter | None:
+        """How this step's mean losses are normalised (``fxpipe.loss_scale.step_loss``): its
+        counts, counted now (a listed step, or a model's own loss), or a counter of
+        ``loss_fn``'s calls run on the first micro-batch's output; None when the calls
+        cannot be counted (a warning says so, once)."""
+        if batch.listed:
+            return self._listed_counts(loss_fn, batch)
+        if loss_fn is None:
+            return self._model_loss_counts(batch)
+
+        def count(template: Any, rows: int) -> loss_scale.StepCounts | None:
+            cases = ((loss_scale.meta_like(template, rows, n), t) for _, t, n in batch.step)
+            return self._counted(lambda: loss_scale.count_loss_fn(loss_fn, cases, batch.total))
+
+        return count
+
+    def _counted(self, count: Callable[[], loss_scale.StepCounts | None]) -> loss_scale.StepCounts | None:
+        """``count()``, or None with a warning (once) when it fails."""
         try:
-            return loss_scale.add_counts((losses.count(f) for f, _, _ in batch.step), batch.total)
+            return count()
         except Exception as err:  # noqa: BLE001 - any failure: the per-sample rule, said once
             self._warn_normalisation(err)
             return None
+
+    def _model_loss_counts(self, batch: Batch) -> loss_scale.StepCounts | None:
+        """The counts of the loss calls a model computing its own loss makes in its last
+        stage, over ``batch.step``; None (with a warning, once) when they cannot be known."""
+        # every entry of a cut batch's step runs its one program; a listed step's, each its own
+        losses = [p.part.model_losses for p in batch.programs] if batch.listed else [batch.program.part.model_losses] * len(batch.step)
+        if any(loss is None for loss in losses):
+            return None
+        return self._counted(lambda: loss_scale.add_counts((c.count(f) for c, (f, _, _) in zip(losses, batch.step)), batch.total))
+
+    def _listed_counts(self, loss_fn: Any, batch: Batch) -> loss_scale.StepCounts | None:
+        """A listed step's counts: this replica's micro-batches counted before they run
+        (``loss_fn`` on each one's output as meta tensors, from a fake run of the model per
+        input signature), then added over the replicas (:meth:`_over_replicas`, which also
+        makes ``batch.total`` the step's samples)."""
+        if loss_fn is None:
+            local = self._model_loss_counts(batch)
+        else:
+            cases = ((self._output_like(args, kwargs), t) for (args, kwargs), t in zip(batch.calls, batch.targets))
+            local = self._counted(lambda: loss_scale.count_loss_fn(loss_fn, cases, batch.total))
+        batch.total, counts = self._over_replicas(batch.total, local)
+        if counts is None and local is not None:
+            self._warn_normalisation(RuntimeError("another replica's micro-batches could not be counted"))
+        return counts
+
+    def _output_like(self, args: tuple, kwargs: dict) -> Any:
+        """The model's output for a call, as meta tensors; cached per input shapes and mode."""
+        key = (microbatch.signature((args, kwargs)), self.training)
+        if key not in self._outputs_like:
+            self._outputs_like[key] = self._compiler.output_like(self._model, args, kwargs)
+        return self._outputs_like[key]
+
+    def _over_replicas(self, total: int, counts: loss_scale.StepCounts | None) -> tuple[int, loss_scale.StepCounts | None]:
+        """The step's samples and counts from this replica's (one process: its own)."""
+        return total, counts
 
     def _warn_normalisation(self, err: BaseException) -> None:
         if not getattr(self, "_normalisation_warned", False):
             self._normalisation_warned = True
             warnings.warn(loss_scale.fallback_message(err), stacklevel=4)
 
-    def _loss_function(self, loss_fn: Any, batch: Batch, counted: bool = False) -> Any:
-        """``loss_of(i, output)`` for this step: micro-batch i's loss term. With a
-        ``loss_fn``, its reduced loss calls are counted over the step on the first call;
-        ``counted``: the model's own loss calls are counted already."""
-        return loss_scale.step_loss(
-            loss_fn, batch.program.part.build_output, batch.targets, batch.sizes, batch.total, self.replicas,
-            batch.step, counted, self._warn_normalisation,
-        )
+    def _loss_function(self, loss_fn: Any, batch: Batch, counts: Any) -> Any:
+        """``loss_of(i, output)`` for this step: micro-batch i's loss term, normalised as
+        ``counts`` (from :meth:`_step_counts`) says."""
+        return loss_scale.step_loss(loss_fn, batch.build_output, batch.targets, batch.sizes, batch.total, self.replicas, counts)
 
     def _merged(self, batch: Batch, outputs: list[Any]) -> Any:
         """The model's output for the whole batch from the last stage's per micro-batch:
         batched tensors concatenated, the others merged as ``Plan.output_merge`` says
-        (which outputs are batched is decided once per input structure, on fake tensors)."""
-        values = [batch.program.part.build_output(out) for out in outputs]
+        (which outputs are batched is decided once per input structure, on fake tensors).
+        A listed call's outputs stay a list, one per micro-batch."""
+        values = [batch.build_output(i, out) for i, out in enumerate(outputs)]
+        if batch.listed:
+            return values
         if len(values) == 1 and not self.plan.output_merge:
             return values[0]
         key = microbatch.structure(batch.whole)
