@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from fxpipe import format as fmt
 from fxpipe.contents import crossing_values, stage_contents
-from fxpipe.cost_model import Calibration
+from fxpipe.cost_model import Calibration, stage_models
 from fxpipe.estimates import StageEstimate, estimate_stages, in_flight, predicted_timeline
 from fxpipe.passes.partition import Edge, PartitionedGraph
 from fxpipe.plan import Plan, PlanScheduleError
@@ -201,6 +201,11 @@ class Partitioned:
         m = microbatches or self.plan.microbatches
         flight = in_flight(self.plan, self.actions(m), self.num_stages, self.deps)
         return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, flight, m, self.calibration)
+
+    def device_memory(self) -> list[float]:
+        """Bytes usable on each stage's device: its ``DeviceSpec.memory`` (the plan's
+        ``device_specs``, else the cost model's default for the device)."""
+        return [model.spec.memory for model in stage_models(self.plan, self.devices, self.calibration)]
 
     def simulate(self, microbatches: int | None = None) -> Timeline:
         """The predicted Timeline of one training step under the plan's schedule.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +25,12 @@ from fxpipe.distributed import comm, startup
 from fxpipe.distributed import gathered_timeline as gathered
 from fxpipe.distributed.executor import RankExecutor
 from fxpipe.distributed.faults import RankFailedError, Watchdog
+from fxpipe.distributed.fsdp import ShardedStages, full, load_into, local, reshard_choice, untie
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras, signature
-from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
+from fxpipe.placement import TiedGroup, alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
@@ -106,6 +108,8 @@ class DistributedPipeline(PipelineBase):
         self.local_stages = layout.my_stages
         self.is_last = num_stages - 1 in self.local_stages
         self.mesh = make_mesh(layout, self.device)
+        if plan.fsdp:
+            modules = untie(modules)  # one FSDP unit per stage: no parameter in two
 
         self._skeletons = [skeleton(s.module) for s in part.stages]
 
@@ -116,28 +120,41 @@ class DistributedPipeline(PipelineBase):
         ]
         self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
         self._modules = [modules[s] for s in self.local_stages]
-        held = held_tensors(self._modules, aliases)
-        self._params, self._state = model_names(model, held, aliases)
+        self._params, self._state = model_names(model, held_tensors(self._modules, aliases), aliases)
         self._partial_state = True
         self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
         self._first_program(RankProgram(self.part, runners, skeletons=self._skeletons))
-        self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
-        self._averager = None
-        self._dp_group = None
-        self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
+        tied = self._tied_groups(aliases)
+        self._averager: GradAverager | None = None
+        self._sharded: ShardedStages | None = None
+        self._dp_group = self.mesh.get_group("dp")
         if layout.replicas > 1:
-            dp_group = self._dp_group = self.mesh.get_group("dp")
-            self._broadcast_from_first_replica(dp_group)
-            self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas, self.watchdog)
+            self._broadcast_from_first_replica(self._dp_group)
+        if plan.fsdp:
+            self._shard(part, model, aliases)
+        elif layout.replicas > 1:
+            self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, self._dp_group, layout.replicas, self.watchdog)
+        self._tied = TiedGrads([([self._params[name]], group) for name, group in tied], self.watchdog)
+        self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
         self._barrier()
+
+    def _shard(self, part: Partitioned, model: nn.Module, aliases: dict[str, list[str]]) -> None:
+        """Each of this rank's stages made an FSDP unit over its replicas (``plan.fsdp``):
+        the model's names then lead to the sharded parameters."""
+        reshard = reshard_choice(part, self.local_stages, self.layout.replicas)
+        self._sharded = ShardedStages(dict(zip(self.local_stages, self._modules)), self.mesh["dp"], reshard)
+        held = held_tensors(self._modules, aliases)
+        self._params, self._state = model_names(model, held, aliases)
+        self._sharded.tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in held.items() if len(ts) > 1]
 
     # -------------------------------------------------------------- set-up
     @staticmethod
     def _trainable(module: nn.Module) -> list[nn.Parameter]:
         return [p for p in module.parameters() if p.requires_grad]
 
-    def _tied_groups(self, aliases: dict[str, list[str]]) -> list:
-        """Process groups for weights used by stages on different workers (created on every rank)."""
+    def _tied_groups(self, aliases: dict[str, list[str]]) -> list[tuple[str, dist.ProcessGroup]]:
+        """(name, process group of its holders) for the weights this rank holds that stages
+        on other workers use too; their copies start equal (every rank creates the groups)."""
         holders: dict[str, set[int]] = {}
         for st in self.part.stages:
             for name, _ in st.module.named_parameters(remove_duplicate=False):
@@ -154,7 +171,7 @@ class DistributedPipeline(PipelineBase):
                 ranks = [replica * self.layout.workers + w for w in workers]
                 group = dist.new_group(ranks)
                 if self.layout.rank in ranks and name in self._params:
-                    groups.append(([self._params[name]], group))
+                    groups.append((name, group))
                     dist.broadcast(self._params[name].data, src=ranks[0], group=group)
         return groups
 
@@ -182,7 +199,13 @@ class DistributedPipeline(PipelineBase):
 
         with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
             self.watchdog.running("compiling a new input signature")
-            part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
+            if self._sharded is not None:  # the new stages take the gathered parameters, which every action runs with
+                self._sharded.gather()
+            try:
+                part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
+            finally:
+                if self._sharded is not None:
+                    self._sharded.end_call()
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
         return RankProgram(part, runners, skeletons=skeletons)
@@ -216,19 +239,32 @@ class DistributedPipeline(PipelineBase):
             program.messages[key] = self._plan_messages(program, actions, spec)
         mine = actions[self.layout.worker]
         hooks = list(self.action_hooks)
-        if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete
-            hooks.append(after_last_backward(mine, self._averager.start))
+        if self._sharded is not None:  # gathers and frees the shards around each action
+            self._sharded.begin_call()
+            hooks.append(self._sharded)
+        reduce = self._sharded.reduce if self._sharded is not None else self._averager.start if self._averager is not None else None
+        if ctx.train and reduce is not None:  # a stage's gradients are reduced as soon as they are complete
+            hooks.append(after_last_backward(mine, reduce))
         if ctx.train:
             self._tied.before_step()
         self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
         step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks)
         self._last_events = self.executor.run(mine, program.messages[key], spec, step)
+        if self._sharded is not None:
+            self._sharded.end_call()
         self._calls += 1
         gathered.publish(self.watchdog, self._calls, self._last_events, self._step_started, str(self.device))
-        if not ctx.train:
-            return
+        if ctx.train:
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """What a training step ends with: the replicas' gradient reductions finished, their
+        buffers averaged, tied weights' gradients summed over their holders."""
+        if self._sharded is not None:
+            self._sharded.end_step()
         if self._averager is not None:
             self._averager.finish()
+        if self.layout.replicas > 1:
             with torch.no_grad():
                 average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
@@ -281,10 +317,24 @@ class DistributedPipeline(PipelineBase):
 
     def _counted_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters in the global norm: replica 0's (replicas hold equal
-        gradients after the step), a tied weight on its first holder only."""
-        if self.layout.replica != 0:
+        gradients after the step) or, sharded, every replica's (each holds its own shard);
+        a tied weight on its first holder only."""
+        if self.layout.replica != 0 and self._sharded is None:
             return []
         return [p for name, p in self._params.items() if name not in self._norm_skip]
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return [local(g) for g in super()._counted_grads()]
+
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """This rank's keys of the model's state dict (tied weights under every name),
+        detached and whole: under ``plan.fsdp`` each sharded tensor is gathered from the
+        stage's replicas, a collective every rank must call. For a sharded checkpoint use
+        :meth:`sharded_state_dict` with ``torch.distributed.checkpoint``."""
+        return OrderedDict((k, full(v.detach())) for k, v in self._state.items())
+
+    def _load_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        load_into(tensor, value)
 
     def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         local = local.to(self.device)
