@@ -32,6 +32,7 @@ updates (the first is the one ``pipe.parameters()`` lists).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -130,6 +131,9 @@ class ShardedStages:
     """
 
     def __init__(self, modules: dict[int, nn.Module], mesh: DeviceMesh, reshard: dict[int, bool]) -> None:
+        # FSDP warns of stage outputs that are views, which an in-place op could detach from
+        # its backward hook; no stage output is changed in place (consumers get them detached)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         for module in modules.values():
             fully_shard(module, mesh=mesh, reshard_after_forward=False)
             _state(module)._lazy_init()  # a later signature's stage may run before this module's own forward
