@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/rng_overhead.py
 	$(BIN)/python examples/benchmarks/signatures.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
+	$(BIN)/python examples/benchmarks/data_parallel.py
 
 # the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10
 # minutes); refuses to run without CUDA

@@ -38,3 +38,12 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out
     assert "i64[*, 16]" in out and "i64[*, 32]" in out, out  # both signatures held
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_benchmark_prints_sharded_bytes_under_the_goal_and_every_variants_step_time() -> None:
+    out = run("data_parallel.py", "--quick")
+    largest = re.search(r"largest: (\d+\.\d+)x \(goal <= 0.55x\)", out)
+    assert largest and float(largest.group(1)) <= 0.55, out
+    for variant in ("all-reduce (fsdp=False)", "replicate()", "fsdp=True, kept gathered", "fsdp=True, freed after each action"):
+        assert re.search(rf"{re.escape(variant)}\s+\d+(\.\d+)? m?s\s+\d+\.\d+x", out), (variant, out)

@@ -134,12 +134,18 @@ class ShardedStages:
         # FSDP warns of stage outputs that are views, which an in-place op could detach from
         # its backward hook; no stage output is changed in place (consumers get them detached)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        for module in modules.values():
-            fully_shard(module, mesh=mesh, reshard_after_forward=False)
-            _state(module)._lazy_init()  # a later signature's stage may run before this module's own forward
-        self.units = cast(dict[int, FSDPModule], modules)
+        self.units: dict[int, FSDPModule] = {s: self.make_unit(module, mesh) for s, module in modules.items()}
         self.reshard = reshard
         self.tied: list[TiedGroup] = []
+
+    @staticmethod
+    def make_unit(module: nn.Module, mesh: DeviceMesh) -> FSDPModule:
+        """``module`` made one FSDP unit sharded over ``mesh``, initialised at once (a later
+        input signature's stages may run before the unit's own forward)."""
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        unit = cast(FSDPModule, module)
+        _state(unit)._lazy_init()
+        return unit
 
     def begin_call(self) -> None:
         """Before any call: gradients stay unsharded, accumulating, until the reduction;
@@ -200,10 +206,10 @@ class ShardedStages:
                 replica.grad = None
 
 
-def _state(unit: nn.Module) -> Any:
-    """FSDP's state of a unit (``fully_shard.state``), for the two steps FSDP2 has no public
-    call for: initialising before the unit's first forward, and reducing by hand."""
-    return fully_shard.state(unit)  # type: ignore[attr-defined]
+def _state(unit: FSDPModule) -> Any:
+    """FSDP's state of a unit, for the two steps FSDP2 has no public call for: initialising
+    before the unit's first forward, and reducing by hand."""
+    return unit._get_fsdp_state()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

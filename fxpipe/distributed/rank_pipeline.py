@@ -141,11 +141,20 @@ class DistributedPipeline(PipelineBase):
     def _shard(self, part: Partitioned, model: nn.Module, aliases: dict[str, list[str]]) -> None:
         """Each of this rank's stages made an FSDP unit over its replicas (``plan.fsdp``):
         the model's names then lead to the sharded parameters."""
-        reshard = reshard_choice(part, self.local_stages, self.layout.replicas)
+        reshard = self._agreed(reshard_choice(part, self.local_stages, self.layout.replicas))
         self._sharded = ShardedStages(dict(zip(self.local_stages, self._modules)), self.mesh["dp"], reshard)
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
         self._sharded.tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in held.items() if len(ts) > 1]
+
+    def _agreed(self, reshard: dict[int, bool]) -> dict[int, bool]:
+        """``reshard`` as every replica of this rank's stages has it (a stage frees its
+        parameters if any replica's estimate says so: hosts may differ in memory), so that
+        their all-gathers pair up."""
+        flags = torch.tensor([reshard[s] for s in self.local_stages], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group, async_op=True)
+        self.watchdog.wait([(work, None)], lambda: "the replicas' choice of freeing parameters", peers=dist.get_process_group_ranks(self._dp_group))
+        return {s: bool(f) for s, f in zip(self.local_stages, flags.tolist())}
 
     # -------------------------------------------------------------- set-up
     @staticmethod
