@@ -154,10 +154,8 @@ class ShardedStages:
             unit.set_requires_gradient_sync(False)
             unit.set_reshard_after_backward(False)
             unit.set_is_last_backward(False)
-        with torch.no_grad():
-            for group in self.tied:
-                for replica in group.replicas:
-                    replica.to_local().copy_(group.primary.to_local())
+        for group in self.tied:
+            group.sync()
 
     def gather(self) -> None:
         """All-gather every stage's parameters now (until :meth:`end_call`)."""
@@ -196,14 +194,7 @@ class ShardedStages:
     def end_step(self) -> None:
         """After a training step's reductions: each copy's gradient into its primary's."""
         for group in self.tied:
-            for replica in group.replicas:
-                if replica.grad is None:
-                    continue
-                if group.primary.grad is None:
-                    group.primary.grad = replica.grad.clone()
-                else:
-                    group.primary.grad.add_(replica.grad)
-                replica.grad = None
+            group.reduce_grads()
 
 
 def _state(unit: FSDPModule) -> Any:
