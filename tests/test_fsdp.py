@@ -285,3 +285,37 @@ def test_parameters_are_freed_after_each_action_or_kept_until_reduced_and_new_si
         for length in (5, 7):
             loss_error, grad_error = got["export"][length]
             assert loss_error < 1e-12 and grad_error < 1e-10, (rank, length, got)
+
+
+# ---------------------------------------------------------------- a replica that dies
+def killed_replica_case(victim: int) -> dict:
+    """Rank ``victim`` (stage 0 of replica 1) dies after a step; the next step's all-gather
+    with it fails on its replica peer, whose error must name it."""
+    import os
+    import signal
+    import time
+
+    from fxpipe.distributed import RankFailedError
+
+    ids, t = data()
+    pipe = fxpipe.compile(model_of("mixed"), {**sharded_plan("1f1b"), "timeout": 20}, example_inputs=(ids,), loss_fn=CE)
+    pipe.step(ids, target=t)
+    if pipe.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        pipe.step(ids, target=t)
+    except RankFailedError as err:
+        return {"rank": err.rank, "message": str(err), "elapsed": time.monotonic() - start}
+    return {"rank": None, "message": "no error", "elapsed": 0.0}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_dead_replica_is_named_by_the_ranks_sharing_its_stage_and_the_others() -> None:
+    from fxpipe.distributed import LaunchError
+
+    with pytest.raises(LaunchError) as info:
+        launch(killed_replica_case, 4, (2,), timeout=LAUNCH_TIMEOUT)
+    assert list(info.value.errors) == [2], info.value
+    for rank, got in info.value.results.items():
+        assert got["rank"] == 2 and "rank 2" in got["message"] and got["elapsed"] < 20, (rank, got)
