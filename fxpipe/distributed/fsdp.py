@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -127,18 +127,25 @@ class ShardedStages:
     gathers, frees and reduces them as the action loop runs.
 
     modules: stage index -> module (parameters untied, see :func:`untie`); reshard: stage
-    index -> whether it frees its gathered parameters after every action; lost(err): the
-    error to raise when a collective fails at once (a replica is gone); tied: the weights
-    two of the stages hold (primary and copies, as model names give them).
+    index -> whether it frees its gathered parameters after every action;
+    collective(what, stage): the context every all-gather and reduce-scatter runs in (the
+    watchdog's: it names a replica that is gone); tied: the weights two of the stages hold
+    (primary and copies, as model names give them).
     """
 
-    def __init__(self, modules: dict[int, nn.Module], mesh: DeviceMesh, reshard: dict[int, bool], lost: Callable[[Exception], BaseException]) -> None:
+    def __init__(
+        self,
+        modules: dict[int, nn.Module],
+        mesh: DeviceMesh,
+        reshard: dict[int, bool],
+        collective: Callable[[str, int], contextlib.AbstractContextManager],
+    ) -> None:
         # FSDP warns of stage outputs that are views, which an in-place op could detach from
         # its backward hook; no stage output is changed in place (consumers get them detached)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         self.units: dict[int, FSDPModule] = {s: self.make_unit(module, mesh) for s, module in modules.items()}
         self.reshard = reshard
-        self.lost = lost
+        self.collective = collective
         self.tied: list[TiedGroup] = []
 
     @staticmethod
@@ -167,7 +174,7 @@ class ShardedStages:
 
     def before(self, action: Action, runner: StageRunner, step: Step) -> None:
         if action.op != "W":
-            with self._collective():
+            with self.collective(f"the all-gather of stage {action.stage}'s parameters", action.stage):
                 self.units[action.stage].unshard()
 
     def after(self, action: Action, runner: StageRunner, step: Step) -> None:
@@ -182,21 +189,13 @@ class ShardedStages:
         unit.set_reshard_after_backward(True)
         unit.set_is_last_backward(True)
         state = _state(unit)
-        with self._collective():
+        with self.collective(f"the reduce-scatter of stage {stage}'s gradients", stage):
             for group in state._fsdp_param_groups:
                 group.post_backward()
             state._root_post_backward_final_callback()  # waits for the reduction, ends FSDP's backward
         unit.set_requires_gradient_sync(False)
         unit.set_reshard_after_backward(False)
         unit.set_is_last_backward(False)
-
-    @contextlib.contextmanager
-    def _collective(self) -> Iterator[None]:
-        """Runs an all-gather or reduce-scatter; a replica that is gone is named (``lost``)."""
-        try:
-            yield
-        except RuntimeError as err:
-            raise self.lost(err) from err
 
     def end_call(self) -> None:
         """After any call: every stage holds only its shard again (what the optimizer

@@ -143,8 +143,8 @@ class DistributedPipeline(PipelineBase):
         the model's names then lead to the sharded parameters."""
         reshard = self._agreed(reshard_choice(part, self.local_stages, self.layout.replicas))
         peers = [r for r in dist.get_process_group_ranks(self._dp_group) if r != self.rank]
-        lost = lambda err: self.watchdog.lost(err, peers)  # noqa: E731
-        self._sharded = ShardedStages(dict(zip(self.local_stages, self._modules)), self.mesh["dp"], reshard, lost)
+        collective = lambda what, stage: self.watchdog.collective(what, peers, stage)  # noqa: E731
+        self._sharded = ShardedStages(dict(zip(self.local_stages, self._modules)), self.mesh["dp"], reshard, collective)
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
         self._sharded.tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in held.items() if len(ts) > 1]
