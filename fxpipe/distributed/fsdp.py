@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -167,10 +167,15 @@ class ShardedStages:
         for group in self.tied:
             group.sync()
 
-    def gather(self) -> None:
-        """All-gather every stage's parameters now (until :meth:`end_call`)."""
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every stage's parameters all-gathered for the block, freed after it."""
         for unit in self.units.values():
             unit.unshard()
+        try:
+            yield
+        finally:
+            self.end_call()
 
     def before(self, action: Action, runner: StageRunner, step: Step) -> None:
         if action.op != "W":

@@ -57,7 +57,7 @@ class GradAverager:
         self.watchdog = watchdog
         self.pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
 
-    def start(self, stage: int) -> None:
+    def reduce(self, stage: int) -> None:
         """Launch the all-reduce of ``stage``'s gradients (after its last backward)."""
         for bucket in self.buckets.get(stage, []):
             flat = _flatten_dense_tensors(_grads(bucket))

@@ -11,6 +11,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
@@ -210,13 +211,9 @@ class DistributedPipeline(PipelineBase):
 
         with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
             self.watchdog.running("compiling a new input signature")
-            if self._sharded is not None:  # the new stages take the gathered parameters, which every action runs with
-                self._sharded.gather()
-            try:
+            # sharded, the new stages take the gathered parameters, the ones every action runs with
+            with self._sharded.gathered() if self._sharded is not None else contextlib.nullcontext():
                 part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
-            finally:
-                if self._sharded is not None:
-                    self._sharded.end_call()
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
         return RankProgram(part, runners, skeletons=skeletons)
@@ -253,9 +250,9 @@ class DistributedPipeline(PipelineBase):
         if self._sharded is not None:  # gathers and frees the shards around each action
             self._sharded.begin_call()
             hooks.append(self._sharded)
-        reduce = self._sharded.reduce if self._sharded is not None else self._averager.start if self._averager is not None else None
-        if ctx.train and reduce is not None:  # a stage's gradients are reduced as soon as they are complete
-            hooks.append(after_last_backward(mine, reduce))
+        reducer = self._sharded or self._averager
+        if ctx.train and reducer is not None:  # a stage's gradients are reduced as soon as they are complete
+            hooks.append(after_last_backward(mine, reducer.reduce))
         if ctx.train:
             self._tied.before_step()
         self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
