@@ -199,6 +199,7 @@ def _phases(layer_counts: list[int], rounds: int) -> None:
     for layers in layer_counts:
         model, ids = _lm(layers)
         paths = [f"transformer.h.{layers // 4 * k}" for k in (1, 2, 3)]
+        _compile_phases(model, ids, paths)  # untimed warm-up, as in compare()
         runs = [_compile_phases(model, ids, paths) for _ in range(rounds)]
         rows[layers] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
     names = list(next(iter(rows.values())))
