@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/varlen.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
 	$(BIN)/python examples/benchmarks/memory.py --plot docs/img/memory-predicted-vs-measured.png
+	$(BIN)/python examples/benchmarks/data_parallel.py
 
 # the GPU figures: bf16 autocast on cuda:0, CPU+GPU placement, one vs two GPUs (about 10
 # minutes); refuses to run without CUDA

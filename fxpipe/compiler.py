@@ -245,6 +245,18 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in itertools.chain(module.parameters(), module.buffers()))
 
 
+def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors the model's modules hold as plain attributes, neither parameters nor buffers
+    (torchvision's anchor generator keeps its anchors in a list): a retrace's fake copy of
+    the model shares them, since a real tensor cannot be copied inside the fake mode."""
+    found = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                found += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
 def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Any, FakeTensorMode]:
     """Trace a skeleton for a call: its tensors and the call's made fake where the real ones
     live (export then records the right devices; nothing is computed). Returns the trace,
@@ -257,10 +269,14 @@ def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: M
             if id(t) not in memo:
                 fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=devices.get(name, t.device))
                 memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        memo.update((id(t), t) for t in _plain_tensors(model) if id(t) not in memo)  # shared, not copied
         fake_model = copy.deepcopy(model, memo)
-        fake_args, fake_kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), (tuple(args), dict(kwargs))
-        )
+        if frontend == "fx":  # the call's own values answer conditions on the inputs alone (nothing computed)
+            fake_args, fake_kwargs = tuple(args), dict(kwargs)
+        else:
+            fake_args, fake_kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), (tuple(args), dict(kwargs))
+            )
     return trace(fake_model, fake_args, fake_kwargs, frontend, plan.leaf_modules, plan.concrete_args), mode
 
 

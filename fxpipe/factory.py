@@ -26,7 +26,7 @@ from fxpipe.devices import check_available
 from fxpipe.local_pipeline import Pipeline
 from fxpipe.partitioned import Partitioned
 from fxpipe.passes.fake_replay import FakeReplay
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, PlanError
 from fxpipe.profile import Profile
 from fxpipe.runtime.pipeline_base import Compiler
 
@@ -73,6 +73,11 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     with collector_paused():  # over the whole compile: one collection after it, not one per phase
         if distributed:
             return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
+        if plan.fsdp:
+            raise PlanError(
+                "plan.fsdp=True shards each stage over its data-parallel replicas, which run as separate processes: "
+                "launch under torchrun (or fxpipe.distributed.launch) with plan.data_parallel > 1, or leave fsdp out"
+            )
         part = partition(model, plan, example_inputs, example_kwargs, profile)
         if on_meta(model):
             raise CompileError(

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from fxpipe import format as fmt
 from fxpipe import memory_profile
 from fxpipe.contents import crossing_values, stage_contents
-from fxpipe.cost_model import Calibration
+from fxpipe.cost_model import Calibration, stage_models
 from fxpipe.estimates import StageChoices, StageEstimate, estimate_stages, predicted_timeline
 from fxpipe.memory_model import MicrobatchMemory, describe_choice
 from fxpipe.passes.partition import Edge, PartitionedGraph
@@ -218,6 +218,11 @@ class Partitioned:
         m = microbatches or self.plan.microbatches
         choices = choices or self.choices(m)
         return estimate_stages(self.graph, self.partitioned.edges, self.devices, self.plan, self.actions(m), m, self.calibration, choices)
+
+    def device_memory(self) -> list[float]:
+        """Bytes usable on each stage's device: its ``DeviceSpec.memory`` (the plan's
+        ``device_specs``, else the cost model's default for the device)."""
+        return [model.spec.memory for model in stage_models(self.plan, self.devices, self.calibration)]
 
     def simulate(self, microbatches: int | None = None, choices: StageChoices | None = None) -> Timeline:
         """The predicted Timeline of one training step under the plan's schedule.

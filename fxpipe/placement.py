@@ -30,11 +30,30 @@ _CODE = frozenset({"_code", "_lineno_map", "_prologue_start"})
 
 @dataclass
 class TiedGroup:
-    """One original parameter (or buffer) held on several devices."""
+    """One original parameter (or buffer) held several times: on several devices, or
+    (sharded) by several stages of one rank."""
 
     name: str
     primary: torch.Tensor
     replicas: list[torch.Tensor] = field(default_factory=list)
+
+    def sync(self) -> None:
+        """Copy the primary's values into every replica."""
+        with torch.no_grad():
+            for replica in self.replicas:
+                replica.copy_(self.primary)  # blocking: workers' streams read it next
+
+    def reduce_grads(self) -> None:
+        """Add the replicas' gradients into the primary's and clear them."""
+        for replica in self.replicas:
+            if replica.grad is None:
+                continue
+            grad = replica.grad.to(self.primary.device)
+            if self.primary.grad is None:
+                self.primary.grad = grad.clone()
+            else:
+                self.primary.grad.add_(grad)
+            replica.grad = None
 
 
 @dataclass
@@ -48,23 +67,13 @@ class Placement:
 
     def sync_replicas(self) -> None:
         """Copy each primary's values into its replicas on other devices."""
-        with torch.no_grad():
-            for group in self.tied:
-                for replica in group.replicas:
-                    replica.copy_(group.primary)  # blocking: workers' streams read it next
+        for group in self.tied:
+            group.sync()
 
     def reduce_replica_grads(self) -> None:
         """Add replicas' gradients into the primary's and clear them."""
         for group in self.tied:
-            for replica in group.replicas:
-                if replica.grad is None:
-                    continue
-                grad = replica.grad.to(group.primary.device)
-                if group.primary.grad is None:
-                    group.primary.grad = grad.clone()
-                else:
-                    group.primary.grad.add_(grad)
-                replica.grad = None
+            group.reduce_grads()
 
 
 def _named_tensors(module: nn.Module):

@@ -89,6 +89,13 @@ class Plan:
         fitting ``DeviceSpec.memory``). CPU stages never offload (True says so, once).
     device_specs: DeviceSpec per device name for the cost model.
     data_parallel: pipeline replicas (distributed runs only).
+    fsdp: shard each stage's parameters, gradients and optimizer state over its
+        ``data_parallel`` replicas (``torch.distributed.fsdp.fully_shard``) instead of
+        copying them (distributed runs only; see docs/distributed.md).
+    reshard_after_forward: with ``fsdp``, whether a stage frees its gathered parameters
+        after each action (True) or keeps them until its gradients are reduced (False):
+        one bool for every stage, one per stage, or None to let the memory estimates
+        choose per stage.
     timeout: seconds any one action or wait may last before the step fails with an error
         naming the stage (and, distributed, the rank) at fault: in the local executor a
         stage that runs or waits longer raises PipelineError, under torchrun a rank waiting
@@ -117,6 +124,8 @@ class Plan:
     checkpoint: bool | str | Sequence[bool | str] = False
     device_specs: Mapping[str, DeviceSpec] = field(default_factory=dict)
     data_parallel: int = 1
+    fsdp: bool = False
+    reshard_after_forward: bool | Sequence[bool] | None = None
     timeout: float = 300.0
     check_finite: bool = False
     frontend: str = "auto"
@@ -148,6 +157,7 @@ class Plan:
             raise PlanError(f"plan.timeout = {self.timeout!r}: must be a positive number of seconds")
         if not isinstance(self.check_finite, bool):
             raise PlanError(f"plan.check_finite = {self.check_finite!r}: must be True or False")
+        self._check_sharding()
         if isinstance(self.schedule, str):
             try:
                 check_chunks(self.schedule, self.chunks)
@@ -186,6 +196,19 @@ class Plan:
             )
         if not (isinstance(self.offload, bool) or self.offload == "auto"):
             raise PlanError(f"plan.offload = {self.offload!r}: use False, True or 'auto'")
+
+    def _check_sharding(self) -> None:
+        if not isinstance(self.fsdp, bool):
+            raise PlanError(f"plan.fsdp = {self.fsdp!r}: must be True or False")
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            return
+        if not self.fsdp:
+            raise PlanError(f"plan.reshard_after_forward = {reshard!r} applies to sharded stages only: set plan.fsdp=True, or leave it out")
+        if not isinstance(reshard, bool):
+            if isinstance(reshard, str) or not isinstance(reshard, Sequence) or not all(isinstance(r, bool) for r in reshard):
+                raise PlanError(f"plan.reshard_after_forward = {reshard!r}: give True, False, one bool per stage, or None (chosen per stage)")
+            self.reshard_after_forward = list(reshard)
 
     def _check_schedule(self) -> None:
         """Types only (whether a schedule runs needs the stage count: ``resolve_schedule``).

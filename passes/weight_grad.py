@@ -185,7 +185,9 @@ class _Convolution(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx = aten.convolution_backward(grad, x, w, None, *ctx.conv, [True, False, False])[0]
-        x, w, grad = x.detach(), w.detach(), grad.detach()
+        # the weight gradient needs the weight's shape and dtype, not its values (as in
+        # torch.nn.grad.conv2d_weight): W holds no weight, which may be freed by then
+        x, w, grad = x.detach(), w.new_empty(1).expand(w.shape), grad.detach()
 
         def weights() -> None:
             want_b = bias is not None and bias.requires_grad

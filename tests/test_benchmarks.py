@@ -71,3 +71,12 @@ def test_varlen_benchmark_prints_the_equal_length_ratio_the_padding_speed_up_and
     difference = float(re.search(r"largest loss difference (\S+)", out).group(1))
     assert difference < 1e-4, out  # padding with -100 targets scores the same tokens
     assert re.search(r"edge shapes: derive \d+\.\d+ ms per new signature, look up \d+ µs per step, exchange \d+ µs per step", out), out
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_benchmark_prints_sharded_bytes_under_the_goal_and_every_variants_step_time() -> None:
+    out = run("data_parallel.py", "--quick")
+    largest = re.search(r"largest: (\d+\.\d+)x \(goal <= 0.55x\)", out)
+    assert largest and float(largest.group(1)) <= 0.55, out
+    for variant in ("all-reduce (fsdp=False)", "replicate()", "fsdp=True, kept gathered", "fsdp=True, freed after each action"):
+        assert re.search(rf"{re.escape(variant)}\s+\d+(\.\d+)? m?s\s+\d+\.\d+x", out), (variant, out)

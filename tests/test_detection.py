@@ -109,3 +109,28 @@ def test_micro_batches_of_a_list_are_sub_lists_one_step_each() -> None:
         expected.append(loss.detach())
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-9, atol=1e-9)
     assert_grads_match(pipe, ref, rtol=1e-7, atol=1e-9)  # accumulated over both, as eager
+
+
+def test_other_image_sizes_and_counts_trace_again_and_equal_eager() -> None:
+    """A new input signature (another image size or count) retraces: the anchor generator's
+    anchors (plain tensors in a list) are shared with the fake copy, and the check for
+    degenerate boxes (a condition on the targets alone) is answered from the call's own
+    values."""
+    build, split = MODELS["fasterrcnn"]
+    model = build().double().train()
+    ref = copy.deepcopy(model)
+    images, targets = images_and_targets()
+    pipe = fxpipe.compile(model, plan(split), example_inputs=(images, targets), loss_fn=sum_losses)
+    more, their_targets = images_and_targets(3)
+    loss = pipe.step(more, their_targets)
+    expected = sum_losses(ref(more, their_targets), None)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-9, atol=1e-9)
+    assert_grads_match(pipe, ref, rtol=1e-7, atol=1e-9)
+    pipe.eval(), ref.eval()
+    larger = [torch.rand(3, 72, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    with torch.no_grad():
+        for one, other in zip(pipe(larger), ref(larger)):
+            for key in other:
+                torch.testing.assert_close(one[key], other[key], rtol=1e-9, atol=1e-9)
+    assert len(pipe.signatures) == 3

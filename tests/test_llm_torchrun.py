@@ -3,8 +3,9 @@
 Each family is built from a small random config (4 layers, width 64, 4 heads; T5 2
 encoder + 2 decoder blocks; ``use_cache=False``, dropout 0), compiled with the default
 frontend (whichever ``frontend="auto"`` picks) and run with
-``fxpipe.distributed.launch`` on four layouts: 2 ranks 1F1B, 2 ranks interleaved 1F1B
-(chunks=2), 2 ranks ZB-V and 4 ranks = 2 stages x 2 replicas; batch 8, 4 micro-batches.
+``fxpipe.distributed.launch`` on five layouts: 2 ranks 1F1B, 2 ranks interleaved 1F1B
+(chunks=2), 2 ranks ZB-V, 4 ranks = 2 stages x 2 replicas, and the same sharded
+(``fsdp=True``, ZB-H1); batch 8, 4 micro-batches.
 One launch per layout runs every variant: float32 and float64, with and without an
 ``attention_mask`` (whose padded tokens are ``ignore_index`` in the target), an example
 batch of 2 or of the step's 8, and the model's own loss (``labels=``). Each variant steps,
@@ -70,6 +71,7 @@ LAYOUTS = {
     "interleaved": (2, dict(schedule="interleaved-1f1b", chunks=2)),
     "zb-v": (2, dict(schedule="zb-v", chunks=2)),
     "dp2x2": (4, dict(schedule="1f1b", data_parallel=2)),
+    "fsdp2x2": (4, dict(schedule="zb-h1", data_parallel=2, fsdp=True)),
 }
 
 
@@ -137,7 +139,10 @@ def plan_for(name: str, layout: str) -> fxpipe.Plan:
 
 
 def _grads(named: Any) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in named}
+    """Every gradient in full (a sharded stage's gathered from its replicas)."""
+    from fxpipe.distributed.fsdp import full
+
+    return {n: None if p.grad is None else full(p.grad).detach().clone() for n, p in named}
 
 
 # ---------------------------------------------------------------- rank function
@@ -228,7 +233,7 @@ def run_and_check(name: str, layout: str, variants: list[Variant] = VARIANTS) ->
 
 
 # ------------------------------------------------------------------------ tests
-SAMPLE = {("gpt2", "1f1b"), ("llama", "dp2x2")}
+SAMPLE = {("gpt2", "1f1b"), ("llama", "dp2x2"), ("gpt2", "fsdp2x2")}
 GRID = [
     pytest.param(name, layout, marks=() if (name, layout) in SAMPLE else pytest.mark.slow, id=f"{name}-{layout}")
     for name in MODELS

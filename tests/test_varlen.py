@@ -355,26 +355,34 @@ def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str) -> 
     return out
 
 
-def listed_per_replica(schedule: str) -> tuple:
-    """DocLM on 2 stages x 2 replicas: replica r passes its own micro-batches (replica 1 its
-    lengths reversed, another count of tokens), the reference is eager over both replicas'."""
+def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
+    """DocLM on 2 stages x 2 replicas (replicated, or sharded with ``fsdp``): replica r
+    passes its own micro-batches (replica 1 its lengths reversed, another count of
+    tokens), the reference is eager over both replicas'."""
     import torch.distributed as dist
+
+    from fxpipe.distributed.fsdp import full
 
     torch.manual_seed(0)
     model = DocLM(build_masks=True).double()
     everyone = [doc_batches(r, LENGTHS if r == 0 else LENGTHS[::-1]) for r in range(2)]
     entries, targets = everyone[int(os.environ["RANK"]) // 2]  # compile initialises the process group
-    plan = fxpipe.Plan(split=["blocks.2"], devices=["cpu"] * 2, schedule=schedule, data_parallel=2, frontend="fx", leaf_modules=[MaskBuilder])
+    plan = fxpipe.Plan(
+        split=["blocks.2"], devices=["cpu"] * 2, schedule=schedule, data_parallel=2, fsdp=fsdp, frontend="fx", leaf_modules=[MaskBuilder]
+    )
     with fxpipe.compile(model, plan, example_inputs=everyone[0][0][0], loss_fn=token_mean) as pipe:  # one example on every rank
         loss = pipe.step(microbatches=entries, targets=targets)
         eager = eager_step(model, everyone[0][0] + everyone[1][0], everyone[0][1] + everyone[1][1])
-        out = (float(loss), float(eager), grad_error(pipe, model))
+        expected = dict(model.named_parameters())
+        err = max(float((full(p.grad) - expected[k].grad).abs().max() / expected[k].grad.abs().max()) for k, p in pipe.named_parameters())
+        out = (float(loss), float(eager), err)
     dist.destroy_process_group()
     return out
 
 
-def test_listed_microbatches_per_replica_equal_eager_over_every_replicas() -> None:
-    for rank, (loss, eager, err) in enumerate(launch(listed_per_replica, 4, ("zb-h1",), timeout=300)):
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_listed_microbatches_per_replica_equal_eager_over_every_replicas(fsdp: bool) -> None:
+    for rank, (loss, eager, err) in enumerate(launch(listed_per_replica, 4, ("zb-h1", fsdp), timeout=300)):
         assert abs(loss - eager) <= 1e-12 * abs(eager) and err < 1e-12, (rank, loss, eager, err)
 
 

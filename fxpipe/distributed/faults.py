@@ -27,12 +27,13 @@ there; within a stage its last state may be a moment old).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
@@ -208,6 +209,22 @@ class Watchdog:
         return RankFailedError(data["message"], data["rank"], data["stage"])
 
     # ------------------------------------------------------------------ waiting
+    @contextlib.contextmanager
+    def collective(self, what: str, peers: Sequence[int], stage: int | None = None) -> Iterator[None]:
+        """Around a collective that a library runs and waits for itself (FSDP's all-gather
+        and reduce-scatter): meanwhile this rank is published as waiting for ``peers`` (on
+        ``stage``), so other ranks' blame passes through it to them; a broken link raises
+        RankFailedError naming the rank at fault (:meth:`lost`), not this one."""
+        previous = self._beacon.doing
+        self._beacon.set(Doing("waiting", what, stage, tuple((p, stage) for p in peers)))
+        try:
+            yield
+        except RuntimeError as err:
+            if not peers:
+                raise
+            raise self.lost(err, list(peers), dict.fromkeys(peers, stage)) from err
+        self._beacon.set(previous)
+
     def wait(
         self,
         works: Sequence[tuple[Any, int | None]],

@@ -10,6 +10,8 @@
 - **Weights tied across ranks** (an embedding and an LM head on different stages): every
   holder keeps a copy; after the step the copies' new gradients are summed within the
   replica, so each copy gets what eager sums, and identical updates keep them equal.
+  Sharded (``plan.fsdp``), every holder's copy is split alike over the replicas, so the
+  holders sum their shards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpipe.distributed.faults import Watchdog
+from fxpipe.distributed.fsdp import local
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -54,7 +57,7 @@ class GradAverager:
         self.watchdog = watchdog
         self.pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
 
-    def start(self, stage: int) -> None:
+    def reduce(self, stage: int) -> None:
         """Launch the all-reduce of ``stage``'s gradients (after its last backward)."""
         for bucket in self.buckets.get(stage, []):
             flat = _flatten_dense_tensors(_grads(bucket))
@@ -113,7 +116,7 @@ class TiedGrads:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                works.append((dist.all_reduce(p.grad, group=group, async_op=True), None))
+                works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), None))  # a shard each, alike
         self.watchdog.wait(works, lambda: "the tied-weight gradient all-reduce", peers=sorted(peers))
         for params, _ in self.groups:
             for p in params:

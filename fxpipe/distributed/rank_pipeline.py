@@ -11,8 +11,10 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +26,14 @@ from fxpipe.distributed import comm, startup
 from fxpipe.distributed import gathered_timeline as gathered
 from fxpipe.distributed.executor import RankExecutor
 from fxpipe.distributed.faults import RankFailedError, Watchdog
+from fxpipe.distributed.fsdp import ShardedStages, full, load_into, local, reshard_choice, untie
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras
 from fxpipe.loss_scale import StepCounts
 from fxpipe.microbatch import signature
-from fxpipe.placement import alias_groups, held_tensors, model_names, skeleton
+from fxpipe.placement import TiedGroup, alias_groups, held_tensors, model_names, skeleton
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
@@ -109,6 +112,8 @@ class DistributedPipeline(PipelineBase):
         self.local_stages = layout.my_stages
         self.is_last = num_stages - 1 in self.local_stages
         self.mesh = make_mesh(layout, self.device)
+        if plan.fsdp:
+            modules = untie(modules)  # one FSDP unit per stage: no parameter in two
 
         self._skeletons = [skeleton(s.module) for s in part.stages]
 
@@ -119,28 +124,52 @@ class DistributedPipeline(PipelineBase):
         ]
         self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
         self._modules = [modules[s] for s in self.local_stages]
-        held = held_tensors(self._modules, aliases)
-        self._params, self._state = model_names(model, held, aliases)
+        self._params, self._state = model_names(model, held_tensors(self._modules, aliases), aliases)
         self._partial_state = True
         self.executor = RankExecutor(self.device, layout.rank, layout.rank_of_stage, self.watchdog, fused=self.device.type == "cuda", worker=layout.worker)
         self._first_program(RankProgram(self.part, runners, skeletons=self._skeletons))
-        self._tied = TiedGrads(self._tied_groups(aliases), self.watchdog)
-        self._averager = None
-        self._dp_group = None
-        self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
+        tied = self._tied_groups(aliases)
+        self._averager: GradAverager | None = None
+        self._sharded: ShardedStages | None = None
+        self._dp_group = self.mesh.get_group("dp")
         if layout.replicas > 1:
-            dp_group = self._dp_group = self.mesh.get_group("dp")
-            self._broadcast_from_first_replica(dp_group)
-            self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, dp_group, layout.replicas, self.watchdog)
+            self._broadcast_from_first_replica(self._dp_group)
+        if plan.fsdp:
+            self._shard(part, model, aliases)
+        elif layout.replicas > 1:
+            self._averager = GradAverager({s: self._trainable(modules[s]) for s in self.local_stages}, self._dp_group, layout.replicas, self.watchdog)
+        self._tied = TiedGrads([([self._params[name]], group) for name, group in tied], self.watchdog)
+        self._float_buffers = [b for m in self._modules for b in m.buffers() if b.is_floating_point()]
         self._barrier()
+
+    def _shard(self, part: Partitioned, model: nn.Module, aliases: dict[str, list[str]]) -> None:
+        """Each of this rank's stages made an FSDP unit over its replicas (``plan.fsdp``):
+        the model's names then lead to the sharded parameters."""
+        reshard = self._agreed(reshard_choice(part, self.local_stages, self.layout.replicas))
+        peers = [r for r in dist.get_process_group_ranks(self._dp_group) if r != self.rank]
+        collective = lambda what, stage: self.watchdog.collective(what, peers, stage)  # noqa: E731
+        self._sharded = ShardedStages(dict(zip(self.local_stages, self._modules)), self.mesh["dp"], reshard, collective)
+        held = held_tensors(self._modules, aliases)
+        self._params, self._state = model_names(model, held, aliases)
+        self._sharded.tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in held.items() if len(ts) > 1]
+
+    def _agreed(self, reshard: dict[int, bool]) -> dict[int, bool]:
+        """``reshard`` as every replica of this rank's stages has it (a stage frees its
+        parameters if any replica's estimate says so: hosts may differ in memory), so that
+        their all-gathers pair up."""
+        flags = torch.tensor([reshard[s] for s in self.local_stages], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group, async_op=True)
+        self.watchdog.wait([(work, None)], lambda: "the replicas' choice of freeing parameters", peers=dist.get_process_group_ranks(self._dp_group))
+        return {s: bool(f) for s, f in zip(self.local_stages, flags.tolist())}
 
     # -------------------------------------------------------------- set-up
     @staticmethod
     def _trainable(module: nn.Module) -> list[nn.Parameter]:
         return [p for p in module.parameters() if p.requires_grad]
 
-    def _tied_groups(self, aliases: dict[str, list[str]]) -> list:
-        """Process groups for weights used by stages on different workers (created on every rank)."""
+    def _tied_groups(self, aliases: dict[str, list[str]]) -> list[tuple[str, dist.ProcessGroup]]:
+        """(name, process group of its holders) for the weights this rank holds that stages
+        on other workers use too; their copies start equal (every rank creates the groups)."""
         holders: dict[str, set[int]] = {}
         for st in self.part.stages:
             for name, _ in st.module.named_parameters(remove_duplicate=False):
@@ -157,7 +186,7 @@ class DistributedPipeline(PipelineBase):
                 ranks = [replica * self.layout.workers + w for w in workers]
                 group = dist.new_group(ranks)
                 if self.layout.rank in ranks and name in self._params:
-                    groups.append(([self._params[name]], group))
+                    groups.append((name, group))
                     dist.broadcast(self._params[name].data, src=ranks[0], group=group)
         return groups
 
@@ -185,7 +214,9 @@ class DistributedPipeline(PipelineBase):
 
         with startup.failures_recorded(self.watchdog):  # the other ranks, already waiting, name this one
             self.watchdog.running("compiling a new input signature")
-            part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
+            # sharded, the new stages take the gathered parameters, the ones every action runs with
+            with self._sharded.gathered() if self._sharded is not None else contextlib.nullcontext():
+                part = self._compiler.retrace(self.part, self._model, args, kwargs, roots_for)
         runners = {s: make_runner(part.stages[s], part.stages[s].module, self.device, part.num_stages, self.plan) for s in self.local_stages}
         skeletons = [skeleton(st.module) for st in part.stages]
         return RankProgram(part, runners, skeletons=skeletons)
@@ -223,19 +254,32 @@ class DistributedPipeline(PipelineBase):
                 program.messages[key] = self._plan_messages(program, actions, spec)
         mine = actions[self.layout.worker]
         hooks = list(self.action_hooks)
-        if ctx.train and self._averager is not None:  # a stage's gradients are averaged as soon as they are complete
-            hooks.append(after_last_backward(mine, self._averager.start))
+        if self._sharded is not None:  # gathers and frees the shards around each action
+            self._sharded.begin_call()
+            hooks.append(self._sharded)
+        reducer = self._sharded or self._averager
+        if ctx.train and reducer is not None:  # a stage's gradients are reduced as soon as they are complete
+            hooks.append(after_last_backward(mine, reducer.reduce))
         if ctx.train:
             self._tied.before_step()
         self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
         step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks, microbatch_runners=batch.microbatch_runners())
         self._last_events = self.executor.run(mine, program.messages[key], spec, step)
+        if self._sharded is not None:
+            self._sharded.end_call()
         self._calls += 1
         gathered.publish(self.watchdog, self._calls, self._last_events, self._step_started, str(self.device))
-        if not ctx.train:
-            return
+        if ctx.train:
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """What a training step ends with: the replicas' gradient reductions finished, their
+        buffers averaged, tied weights' gradients summed over their holders."""
+        if self._sharded is not None:
+            self._sharded.end_step()
         if self._averager is not None:
             self._averager.finish()
+        if self.layout.replicas > 1:
             with torch.no_grad():
                 average_buffers(self._float_buffers, self._dp_group, self.layout.replicas, self.watchdog)
         self._tied.after_step()
@@ -309,10 +353,24 @@ class DistributedPipeline(PipelineBase):
 
     def _counted_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters in the global norm: replica 0's (replicas hold equal
-        gradients after the step), a tied weight on its first holder only."""
-        if self.layout.replica != 0:
+        gradients after the step) or, sharded, every replica's (each holds its own shard);
+        a tied weight on its first holder only."""
+        if self.layout.replica != 0 and self._sharded is None:
             return []
         return [p for name, p in self._params.items() if name not in self._norm_skip]
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return [local(g) for g in super()._counted_grads()]
+
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """This rank's keys of the model's state dict (tied weights under every name),
+        detached and whole: under ``plan.fsdp`` each sharded tensor is gathered from the
+        stage's replicas, a collective every rank must call. For a sharded checkpoint use
+        :meth:`sharded_state_dict` with ``torch.distributed.checkpoint``."""
+        return OrderedDict((k, full(v.detach())) for k, v in self._state.items())
+
+    def _load_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        load_into(tensor, value)
 
     def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         local = local.to(self.device)

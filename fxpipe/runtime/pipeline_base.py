@@ -545,8 +545,20 @@ class PipelineBase(PipelineViews):
         with torch.no_grad():
             for key, tensor in self._state.items():
                 if key in state:
-                    tensor.copy_(state[key].to(tensor.device))
+                    self._load_value(tensor, state[key])
         self._after_load()
+
+    def _load_value(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy the whole tensor ``value`` into the held ``tensor``."""
+        tensor.copy_(value.to(tensor.device))
+
+    def sharded_state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """The state ``torch.distributed.checkpoint`` saves and loads: the model's
+        state_dict keys held here, detached tensors sharing storage with the pipeline's
+        (``dcp.load`` fills the pipeline in place); under ``plan.fsdp`` this rank's shards
+        (DTensors), so each rank writes and reads only its part, and a checkpoint loads
+        into any layout of stages and replicas."""
+        return OrderedDict((k, v.detach()) for k, v in self._state.items())
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
@@ -561,7 +573,7 @@ class PipelineBase(PipelineViews):
         not finite and ``error_if_nonfinite``.
         """
         norm_type = float(norm_type)
-        counted = [p.grad for p in self._counted_parameters() if p.grad is not None]
+        counted = self._counted_grads()
         if counted:
             local = torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach).to(torch.float64)
         else:
@@ -582,6 +594,10 @@ class PipelineBase(PipelineViews):
     def _counted_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients this process adds to the global norm."""
         return list(self._params.values())
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """The gradients this process adds to the global norm (of :meth:`_counted_parameters`)."""
+        return [p.grad for p in self._counted_parameters() if p.grad is not None]
 
     def _global_norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The norm over every process's share, from this one's (float64)."""
