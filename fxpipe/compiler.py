@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe import microbatch
 from fxpipe.auto_split import auto_split
+from fxpipe.collector import collector_paused
 from fxpipe.cost_model import Calibration
 from fxpipe.loss_scale import model_losses
 from fxpipe.memory_plan import memory_choices, plan_memory
@@ -84,9 +85,10 @@ def partition(
     estimated node times by measured ones. Returns a :class:`Partitioned`. Raises TraceError when the
     model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
     honoured (the message names the field, node or module at fault). A compile longer
-    than 2 s reports its progress on one line of stderr (``fxpipe.progress``).
+    than 2 s reports its progress on one line of stderr (``fxpipe.progress``); Python's
+    garbage collector is paused while it runs (``fxpipe.collector``).
     """
-    with Progress(type(model).__name__) as progress:
+    with collector_paused(), Progress(type(model).__name__) as progress:
         return _partition(model, plan, example_inputs, example_kwargs, profile, progress)
 
 
@@ -185,8 +187,15 @@ def partition_like(
     share the same parameters). Raises
     TraceError/TraceMismatch when the call cannot be traced faithfully, AnnotateError when
     the new trace lacks a stage boundary of the first, PlanError when it would need
-    another number of stages or another placement.
+    another number of stages or another placement. The garbage collector is paused while
+    it runs, as in ``partition``.
     """
+    with collector_paused():
+        return _partition_like(first, model, args, kwargs, roots_for)
+
+
+def _partition_like(first: Partitioned, model: nn.Module, args: tuple, kwargs: Mapping[str, Any], roots_for: Callable[[int], list[nn.Module]]) -> Partitioned:
+    """``partition_like``'s work (see there)."""
     plan = first.plan
     traced, mode = _retrace(model, first.frontend, plan, args, kwargs)
     check_generalises(model, traced, args, kwargs, mode=mode)  # writes node.meta["val"]

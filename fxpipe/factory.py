@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from fxpipe.batched_outputs import batched_outputs, output_like
+from fxpipe.collector import collector_paused
 from fxpipe.compiler import CompileError, on_meta, partition, partition_like
 from fxpipe.devices import check_available
 from fxpipe.local_pipeline import Pipeline
@@ -59,7 +60,8 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     stages; a model built on the meta device is then filled per rank from ``weights``
     (a state dict, a checkpoint path, an init function, or None for the modules' own
     ``reset_parameters``). See docs/distributed.md. In one process ``weights`` cannot
-    apply: it raises MaterializeError (load the weights into the model first).
+    apply: it raises MaterializeError (load the weights into the model first). Python's
+    garbage collector is paused while it compiles (``fxpipe.collector``).
     """
     # fxpipe.distributed loads on the first compile, not with ``import fxpipe``
     from fxpipe.distributed.layout import requested
@@ -68,21 +70,22 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     distributed = requested()
     check_weights_apply(weights, distributed)
     plan = Plan.coerce(plan)
-    if distributed:
-        return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
-    if plan.fsdp:
-        raise PlanError(
-            "plan.fsdp=True shards each stage over its data-parallel replicas, which run as separate processes: "
-            "launch under torchrun (or fxpipe.distributed.launch) with plan.data_parallel > 1, or leave fsdp out"
-        )
-    part = partition(model, plan, example_inputs, example_kwargs, profile)
-    if on_meta(model):
-        raise CompileError(
-            f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "
-            "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
-            "or build the model for real"
-        )
-    return build_pipeline(part, model, loss_fn)
+    with collector_paused():  # over the whole compile: one collection after it, not one per phase
+        if distributed:
+            return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
+        if plan.fsdp:
+            raise PlanError(
+                "plan.fsdp=True shards each stage over its data-parallel replicas, which run as separate processes: "
+                "launch under torchrun (or fxpipe.distributed.launch) with plan.data_parallel > 1, or leave fsdp out"
+            )
+        part = partition(model, plan, example_inputs, example_kwargs, profile)
+        if on_meta(model):
+            raise CompileError(
+                f"{type(model).__name__} is on the meta device; one process cannot fill it stage by stage. "
+                "Launch one process per stage (torchrun, or fxpipe.distributed.launch) with weights=..., "
+                "or build the model for real"
+            )
+        return build_pipeline(part, model, loss_fn)
 
 
 def _compile_distributed(
@@ -103,10 +106,11 @@ def _compile_distributed(
 def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None) -> Pipeline:
     """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
     devices; the stages are placed as copies, so ``model`` is not changed. Raises
-    DeviceError when a stage's device is not present."""
+    DeviceError when a stage's device is not present. Python's garbage collector is paused
+    while the stages are copied (``fxpipe.collector``)."""
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
-    with warnings.catch_warnings():
+    with collector_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return Pipeline(part, model, COMPILER, loss_fn)
 

@@ -19,7 +19,6 @@ loss, inside its graph, is).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpipe import microbatch
 from fxpipe.devices import torch_device
 from fxpipe.memory_model import MicrobatchMemory
+from fxpipe.placement import copy_stage_module
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.memory import StageMemory, StepMemory
 from fxpipe.runtime.offload import Offload
@@ -90,7 +90,7 @@ def _fake_runner(part: Any, s: int, mode: FakeTensorMode, recompute: Recompute, 
         device = planned if device.type == "meta" else device
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
         memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    copied = copy.deepcopy(module, memo)
+    copied = copy_stage_module(module, memo)  # the stage's generated code reused, not generated again
     device = next((t.device for t in memo.values()), planned)
     runner = make_runner(dataclasses.replace(stage, recompute=recompute, offload=False), copied, device, part.num_stages, part.plan)
     runner.check_finite = False

@@ -2,11 +2,12 @@
 
 Stages on the same (logical) device share one copy of any parameter they both use (one
 ``copy.deepcopy`` memo per device), so autograd sums the uses' gradients exactly as
-eager does. A parameter used by stages on different devices is held once per device:
-the copy in the earliest stage is the *primary* (the one ``pipe.parameters()`` lists and
-the optimizer updates); before each run the others are refreshed from it, and after
-backward their gradients are added into the primary's. The user's model is never
-modified or moved.
+eager does. A copy runs the stage module's generated ``forward`` (an instance of the same
+class): its graph is copied, its code is not generated again. A parameter used by stages
+on different devices is held once per device: the copy in the earliest stage is the
+*primary* (the one ``pipe.parameters()`` lists and the optimizer updates); before each run
+the others are refreshed from it, and after backward their gradients are added into the
+primary's. The user's model is never modified or moved.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.devices import torch_device
+
+# a GraphModule's attributes that hold the code generated from its graph
+_CODE = frozenset({"_code", "_lineno_map", "_prologue_start"})
 
 
 @dataclass
@@ -94,13 +98,31 @@ def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -
     memos: dict[str, dict] = defaultdict(dict)
     placed: list[fx.GraphModule] = []
     for module, device in zip(modules, devices):
-        clone = copy.deepcopy(module, memos[device])
+        clone = copy_stage_module(module, memos[device])
         placed.append(clone.to(torch_device(device)))
     aliases = alias_groups(model)
     copies = held_tensors(placed, aliases)
     tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
     params, state = model_names(model, copies, aliases)
     return Placement(placed, params, state, tied)
+
+
+def copy_stage_module(module: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    """A copy of ``module``: its state (submodules, parameters, buffers, attributes) deep-copied
+    through ``memo``, its graph copied node for node, and its generated code shared (an
+    instance of the same generated class: the copied graph is the same program, so no code
+    is generated again, which ``copy.deepcopy`` of a GraphModule does). Returns the copy;
+    ``module`` is unchanged."""
+    clone = object.__new__(type(module))
+    memo[id(module)] = clone
+    for name, value in vars(module).items():
+        if name == "_graph":
+            value = copy.deepcopy(value)  # its nodes' meta shallow-copied; no tensor in it
+            value.owning_module = clone
+        elif name not in _CODE:
+            value = copy.deepcopy(value, memo)
+        clone.__dict__[name] = value
+    return clone
 
 
 def held_tensors(modules: list[nn.Module], aliases: dict[str, list[str]]) -> dict[str, list[torch.Tensor]]:

@@ -81,9 +81,15 @@ class Progress:
     def _phase_name(self) -> str:
         return self._phases[-1][0] if self._phases else "start-up"
 
+    def phase_seconds(self, until: float | None = None) -> dict[str, float]:
+        """Each phase's seconds in the order entered, the last one's up to ``until`` (a
+        ``time.perf_counter()`` reading; default: now)."""
+        ends = [at for _, at in self._phases[1:]] + [time.perf_counter() if until is None else until]
+        return {name: end - at for (name, at), end in zip(self._phases, ends)}
+
     def _breakdown(self, elapsed: float) -> str:
-        ends = [at for _, at in self._phases[1:]] + [self._start + elapsed]
-        return ", ".join(f"{name} {fmt.seconds(end - at)}" for (name, at), end in zip(self._phases, ends))
+        seconds = self.phase_seconds(self._start + elapsed)
+        return ", ".join(f"{name} {fmt.seconds(value)}" for name, value in seconds.items())
 
     def _redraw(self) -> None:
         while not self._stop.wait(self.every):

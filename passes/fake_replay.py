@@ -184,15 +184,15 @@ class FakeReplay:
         node raises on fake tensors, with a note naming it."""
         # a template holds for the grad mode and autocast it was made under
         self._context = (torch.is_grad_enabled(), *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
-        with self.mode:
-            if node.op == "placeholder":
-                value = pytree.tree_map_only(torch.Tensor, self._input, value)
-            elif node.op == "get_attr":
-                value = self.fake(resolve(node.target))
-            elif node.op == "output":
-                value = fx.map_arg(node.args[0], self.values.__getitem__)
-            else:
-                value = self._compute(node, resolve)
+        # fakes are made directly (``_new``): only a node that really runs enters the fake mode
+        if node.op == "placeholder":
+            value = pytree.tree_map_only(torch.Tensor, self._input, value)
+        elif node.op == "get_attr":
+            value = self.fake(resolve(node.target))
+        elif node.op == "output":
+            value = fx.map_arg(node.args[0], self.values.__getitem__)
+        else:
+            value = self._compute(node, resolve)
         self.values[node] = value
         return value
 
@@ -283,13 +283,14 @@ class FakeReplay:
             if key in self._estimated_keys:
                 self.estimated.add(node)
             return self._build(template, tensors)
-        args, kwargs = self._writable((args, kwargs))
-        tensors = input_tensors(args, kwargs)
-        versions = [t._version for t in tensors]
         self.runs += 1
         self._ran_for_real = False
         try:
-            out = self.execute(node, args, kwargs, resolve)
+            with self.mode:
+                args, kwargs = self._writable((args, kwargs))
+                tensors = input_tensors(args, kwargs)
+                versions = [t._version for t in tensors]
+                out = self.execute(node, args, kwargs, resolve)
             if self._ran_for_real:
                 self.estimated.add(node)
                 self._estimated_keys.add(key)

@@ -59,6 +59,8 @@ def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) 
     goals = re.findall(r"^\s+.+?\s+(\d+\.\d+)x\s+<= [\d.]+x\s+(met|NOT met)$", out, re.M)
     assert len(goals) == 4, out
     assert plot.stat().st_size > 0
+    phases = re.findall(r"^\s+(\d+)((?:\s+\d+\.\d+s){7})$", out, re.M)  # trace ... placement, gc, total
+    assert [int(p[0]) for p in phases] == [4, 8, 16], out
 
 
 @pytest.mark.timeout(300)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import re
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -53,3 +55,42 @@ def test_progress_can_be_silenced(monkeypatch) -> None:
     with Progress("Net", stream=stream, after=0.0, tty=False) as progress:
         progress.phase("trace")
     assert stream.getvalue() == ""
+
+
+_COLLECTOR_SEEN: list[bool] = []  # whether the garbage collector was enabled, per traced call
+
+
+class _CollectorProbe(nn.Module):
+    """Doubles its input; records in _COLLECTOR_SEEN whether the garbage collector runs
+    while it is traced (the tracer may run a copy of the module)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _COLLECTOR_SEEN.append(gc.isenabled())
+        if self.fail:
+            raise ValueError("probe fails")
+        return x * 2
+
+
+def test_compile_pauses_the_garbage_collector_and_restores_it() -> None:
+    _COLLECTOR_SEEN.clear()
+    model = nn.Sequential(nn.Linear(4, 4), _CollectorProbe(), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=2)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,))
+    assert _COLLECTOR_SEEN and not any(_COLLECTOR_SEEN)  # paused while tracing
+    assert gc.isenabled()
+    torch.testing.assert_close(pipe(x), model(x))  # float64: equal to eager up to rounding
+    gc.disable()  # a caller's own choice is kept
+    try:
+        fxpipe.compile(model, plan, example_inputs=(x,))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    failing = nn.Sequential(nn.Linear(4, 4), _CollectorProbe(fail=True))
+    with pytest.raises(ValueError, match="probe fails"):
+        fxpipe.compile(failing, plan, example_inputs=(x.float(),))
+    assert gc.isenabled()

@@ -12,7 +12,9 @@ absolute times follow the machine's load):
              split="auto", against pipeline() on the same split points: compile seconds
              against depth for both tools (``--plot``: the figure), and the goals of issue 22
              as a table: explicit <= 0.3x and auto <= 0.5x at 48 layers, explicit <= 0.25x at
-             96 layers, and 96 layers <= 1.5x the compile time of 24 layers
+             96 layers, and 96 layers <= 1.5x the compile time of 24 layers; then
+             fxpipe.compile's seconds per phase at each depth (explicit split): the
+             compiler's phases, placement, and the garbage collection within them
   scaling    fxpipe.partition of nn.Sequential graphs of 2,500 / 5,000 / 10,000 nodes
              (Linear + ReLU pairs) into 4 stages, split="auto" and explicit, against
              pipeline() with the explicit split points; microseconds per node show whether
@@ -39,10 +41,12 @@ import argparse
 import copy
 import cProfile
 import functools
+import gc
 import pstats
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch._dynamo  # noqa: F401 - imported once, untimed (see the module doc)
@@ -51,6 +55,9 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 import fxpipe
+import fxpipe.compiler
+import fxpipe.factory
+from fxpipe.progress import Progress
 
 PARTS = ("resnet152", "lm", "depth", "scaling")
 
@@ -143,6 +150,63 @@ def depth(layer_counts: list[int], rounds: int, profile: bool, plot: str | None)
     _goals(medians)
     if plot:
         _plot_depth(medians, plot)
+    _phases(layer_counts, rounds)
+
+
+class _PhaseRecord(Progress):
+    """The compiler's progress report; each phase's seconds kept in ``last`` when it ends."""
+
+    last: dict[str, float] = {}
+
+    def __exit__(self, kind, value, traceback) -> None:
+        _PhaseRecord.last = self.phase_seconds()
+        super().__exit__(kind, value, traceback)
+
+
+def _compile_phases(model: nn.Module, ids: torch.Tensor, paths: list[str]) -> dict[str, float]:
+    """One fxpipe.compile (explicit split): seconds per compiler phase, placement
+    (``build_pipeline``), garbage collection (within those) and in all."""
+    collecting = {"since": 0.0, "seconds": 0.0}
+
+    def on_collection(phase: str, _: dict) -> None:
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        else:
+            collecting["seconds"] += time.perf_counter() - collecting["since"]
+
+    placed = {}
+
+    def build(*args, **kwargs):
+        start = time.perf_counter()
+        pipe = build_pipeline(*args, **kwargs)
+        placed["seconds"] = time.perf_counter() - start
+        return pipe
+
+    build_pipeline = fxpipe.factory.build_pipeline
+    plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(4)], split=paths, microbatches=4)
+    gc.callbacks.append(on_collection)
+    try:
+        with mock.patch.object(fxpipe.compiler, "Progress", _PhaseRecord), mock.patch.object(fxpipe.factory, "build_pipeline", build):
+            total = _seconds(lambda: fxpipe.compile(model, plan, (ids,), loss_fn=_loss))
+    finally:
+        gc.callbacks.remove(on_collection)
+    return {**_PhaseRecord.last, "placement": placed["seconds"], "gc (within)": collecting["seconds"], "total": total}
+
+
+def _phases(layer_counts: list[int], rounds: int) -> None:
+    """fxpipe.compile's seconds per phase at each depth (explicit split), medians of ``rounds``."""
+    rows = {}
+    for layers in layer_counts:
+        model, ids = _lm(layers)
+        paths = [f"transformer.h.{layers // 4 * k}" for k in (1, 2, 3)]
+        _compile_phases(model, ids, paths)  # untimed warm-up, as in compare()
+        runs = [_compile_phases(model, ids, paths) for _ in range(rounds)]
+        rows[layers] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    names = list(next(iter(rows.values())))
+    print(f"\nphases: fxpipe.compile, explicit split, seconds per phase (median of {rounds})")
+    print("  layers " + " ".join(f"{name:>16s}" for name in names))
+    for layers, row in rows.items():
+        print(f"  {layers:6d} " + " ".join(f"{row[name]:15.2f}s" for name in names))
 
 
 def _goals(medians: dict[int, dict[str, float]]) -> None:
