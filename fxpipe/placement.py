@@ -125,6 +125,12 @@ def copy_stage_module(module: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphM
     return clone
 
 
+def copy_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(module, memo)``, through :func:`copy_stage_module` for a generated
+    stage module (its code shared, not generated again)."""
+    return copy_stage_module(module, memo) if isinstance(module, fx.GraphModule) else copy.deepcopy(module, memo)
+
+
 def held_tensors(modules: list[nn.Module], aliases: dict[str, list[str]]) -> dict[str, list[torch.Tensor]]:
     """Every distinct tensor the modules hold, under the model's first name for it, in order."""
     copies: dict[str, list[torch.Tensor]] = defaultdict(list)

@@ -32,7 +32,6 @@ updates (the first is the one ``pipe.parameters()`` lists).
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -43,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fxpipe.placement import TiedGroup
+from fxpipe.placement import TiedGroup, copy_module
 from fxpipe.plan import PlanError
 from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.runner import StageRunner
@@ -116,7 +115,7 @@ def untie(modules: dict[int, nn.Module]) -> dict[int, nn.Module]:
         if any(id(p) in seen for p in params):
             memo: dict[int, Any] = {id(p): p for p in params if id(p) not in seen}
             memo.update((id(b), b) for b in module.buffers())
-            module = copy.deepcopy(module, memo)
+            module = copy_module(module, memo)
         seen.update(id(p) for p in module.parameters())
         untied[stage] = module
     return untied

@@ -19,7 +19,6 @@ another stage's parameters beyond what the user's own model already holds.
 
 from __future__ import annotations
 
-import copy
 import os
 import pickle
 import re
@@ -29,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fxpipe.placement import copy_module
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike | Callable[[nn.Module], None] | None
 
@@ -151,7 +152,7 @@ def materialize(
     stage and tensor that no checkpoint entry or ``reset_parameters`` fills.
     """
     memo: dict[int, Any] = {}
-    copies = {s: copy.deepcopy(m, memo) for s, m in modules.items()}
+    copies = {s: copy_module(m, memo) for s, m in modules.items()}  # generated code shared
     created: dict[int, torch.Tensor] = {}
     fresh: dict[int, tuple[int, str]] = {}  # id of allocated-from-meta tensor -> (stage, name)
     for s, module in copies.items():
