@@ -337,20 +337,25 @@ def test_listed_microbatches_on_two_ranks_under_every_schedule() -> None:
         assert "holds tensors inside an object of type Opaque, which is not a registered pytree" in result["opaque"], result["opaque"]
 
 
-def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str) -> tuple:
+def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str, fields: dict | None = None) -> tuple:
     """One replica of 2 stages per pair of ranks; replica r passes its own micro-batches
-    (its lengths reversed), the reference is eager over every replica's."""
+    (its lengths reversed), the reference is eager over every replica's. ``fields``: more
+    Plan fields (``fsdp``, ``frontend``)."""
     import llm_models
     import torch.distributed as dist
+
+    from fxpipe.distributed.fsdp import full
 
     torch.manual_seed(0)
     model = llm_models.FAMILIES[family].build().double()
     replica = int(os.environ["RANK"]) // 2  # compile initialises the process group
     everyone = [hf_batches(r, LENGTHS if r % 2 == 0 else LENGTHS[::-1]) for r in range(replicas)]
-    with hf_pipe(model, family, loss, everyone[0], schedule=schedule, data_parallel=replicas) as pipe:  # one example on every rank
+    with hf_pipe(model, family, loss, everyone[0], schedule=schedule, data_parallel=replicas, **(fields or {})) as pipe:  # one example on every rank
         result = run_hf_listed(pipe, everyone[replica], loss)
         eager = hf_eager(model, [b for batches in everyone for b in batches], loss)
-        out = (float(result), float(eager), grad_error(pipe, model))
+        expected = dict(model.named_parameters())
+        err = max(float((full(p.grad) - expected[k].grad).abs().max() / expected[k].grad.abs().max()) for k, p in pipe.named_parameters())
+        out = (float(result), float(eager), err)
     dist.destroy_process_group()
     return out
 
@@ -393,3 +398,13 @@ def test_hf_listed_microbatches_on_ranks(world: int, replicas: int, family: str,
     tolerance = 1e-6 if loss == "labels" else 1e-12
     for rank, (result, eager, err) in enumerate(launch(listed_hf_on_ranks, world, (family, loss, replicas, schedule), timeout=300)):
         assert abs(result - eager) <= tolerance * abs(eager) and err < tolerance, (rank, result, eager, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_hf_listed_microbatches_on_sharded_replicas(frontend: str) -> None:
+    """2 stages x 2 sharded replicas (fsdp=True): one program for every length (fx) or one
+    per length (export), every replica's own lengths."""
+    fields = {"fsdp": True, "frontend": frontend}
+    for rank, (result, eager, err) in enumerate(launch(listed_hf_on_ranks, 4, ("gpt2", "loss_fn", 2, "zb-h1", fields), timeout=300)):
+        assert abs(result - eager) <= 1e-12 * abs(eager) and err < 1e-12, (rank, result, eager, err)
