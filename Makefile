@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu test-llm lint bench bench-gpu faults soak clean install
+.PHONY: demo test test-gpu test-llm test-slow lint bench bench-gpu faults soak clean install
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test-gpu: $(STAMP)
 # (about 20 minutes on 2 cores); the command line's -m replaces pyproject's -m 'not slow'
 test-llm: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_multinode.py
+
+# every test, the slow cases of every file included (test-llm's grid, the ResNet-50
+# detection models, HF listed micro-batches on sharded replicas, ...)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow"
 
 # every figure in docs/results.md's benchmark sections (about 40 minutes on 2 cores)
 bench: $(STAMP)
