@@ -40,7 +40,7 @@ test-llm: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_multinode.py
 
 # every test, the slow cases of every file included (test-llm's grid, the ResNet-50
-# detection models, HF listed micro-batches on sharded replicas, ...)
+# detection models, HF listed micro-batches on sharded replicas, ...; 23 minutes here)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow"
 
