@@ -258,8 +258,9 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Any, FakeTensorMode]:
-    """Trace a skeleton for a call: its tensors and the call's made fake where the real ones
-    live (export then records the right devices; nothing is computed). Returns the trace,
+    """Trace a skeleton for a call: its tensors made fake where the real ones live, and under
+    export the call's too (export then records the right devices; nothing is computed;
+    fx reads the call's own values where a condition asks for them). Returns the trace,
     whose GraphModule holds those fakes, and their FakeTensorMode."""
     devices = getattr(model, "fxpipe_devices", {})
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -271,13 +272,10 @@ def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: M
                 memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
         memo.update((id(t), t) for t in _plain_tensors(model) if id(t) not in memo)  # shared, not copied
         fake_model = copy.deepcopy(model, memo)
-        if frontend == "fx":  # the call's own values answer conditions on the inputs alone (nothing computed)
-            fake_args, fake_kwargs = tuple(args), dict(kwargs)
-        else:
-            fake_args, fake_kwargs = pytree.tree_map_only(
-                torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), (tuple(args), dict(kwargs))
-            )
-    return trace(fake_model, fake_args, fake_kwargs, frontend, plan.leaf_modules, plan.concrete_args), mode
+        call = (tuple(args), dict(kwargs))
+        if frontend != "fx":  # fx traces on the call's own values: they answer conditions on the inputs alone (nothing computed)
+            call = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), call)
+    return trace(fake_model, *call, frontend, plan.leaf_modules, plan.concrete_args), mode
 
 
 def _cut(

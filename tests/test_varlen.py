@@ -19,6 +19,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
+from fxpipe.distributed.fsdp import full
 from fxpipe.microbatch import MicrobatchError
 from fxpipe.schedules import Action
 
@@ -84,9 +85,10 @@ def eager_step(model: nn.Module, entries: list, targets: list) -> torch.Tensor:
 
 
 def grad_error(pipe, model: nn.Module) -> float:
-    """The largest gradient difference relative to the gradient's own largest entry."""
+    """The largest gradient difference relative to the gradient's own largest entry (a
+    sharded stage's gradients gathered first: every rank must ask)."""
     eager = dict(model.named_parameters())
-    return max(float((p.grad - eager[k].grad).abs().max() / eager[k].grad.abs().max().clamp_min(1e-30)) for k, p in pipe.named_parameters())
+    return max(float((full(p.grad) - eager[k].grad).abs().max() / eager[k].grad.abs().max().clamp_min(1e-30)) for k, p in pipe.named_parameters())
 
 
 # ------------------------------------------------------------------ locally
@@ -344,8 +346,6 @@ def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str, fie
     import llm_models
     import torch.distributed as dist
 
-    from fxpipe.distributed.fsdp import full
-
     torch.manual_seed(0)
     model = llm_models.FAMILIES[family].build().double()
     replica = int(os.environ["RANK"]) // 2  # compile initialises the process group
@@ -353,9 +353,7 @@ def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str, fie
     with hf_pipe(model, family, loss, everyone[0], schedule=schedule, data_parallel=replicas, **(fields or {})) as pipe:  # one example on every rank
         result = run_hf_listed(pipe, everyone[replica], loss)
         eager = hf_eager(model, [b for batches in everyone for b in batches], loss)
-        expected = dict(model.named_parameters())
-        err = max(float((full(p.grad) - expected[k].grad).abs().max() / expected[k].grad.abs().max()) for k, p in pipe.named_parameters())
-        out = (float(result), float(eager), err)
+        out = (float(result), float(eager), grad_error(pipe, model))
     dist.destroy_process_group()
     return out
 
@@ -365,8 +363,6 @@ def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
     passes its own micro-batches (replica 1 its lengths reversed, another count of
     tokens), the reference is eager over both replicas'."""
     import torch.distributed as dist
-
-    from fxpipe.distributed.fsdp import full
 
     torch.manual_seed(0)
     model = DocLM(build_masks=True).double()
@@ -378,9 +374,7 @@ def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
     with fxpipe.compile(model, plan, example_inputs=everyone[0][0][0], loss_fn=token_mean) as pipe:  # one example on every rank
         loss = pipe.step(microbatches=entries, targets=targets)
         eager = eager_step(model, everyone[0][0] + everyone[1][0], everyone[0][1] + everyone[1][1])
-        expected = dict(model.named_parameters())
-        err = max(float((full(p.grad) - expected[k].grad).abs().max() / expected[k].grad.abs().max()) for k, p in pipe.named_parameters())
-        out = (float(loss), float(eager), err)
+        out = (float(loss), float(eager), grad_error(pipe, model))
     dist.destroy_process_group()
     return out
 

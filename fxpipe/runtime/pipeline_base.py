@@ -97,8 +97,12 @@ class Batch:
     call: tuple[tuple, dict] = ((), {})
     programs: list[Program] = field(default_factory=list)
     step: list[tuple[list, Any, int]] = field(default_factory=list)
-    listed: bool = False
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
+
+    @property
+    def listed(self) -> bool:
+        """Whether the caller passed the micro-batches as a list (``calls`` holds them)."""
+        return bool(self.calls)
 
     def largest(self) -> tuple[Any, list | None]:
         """The partition to predict this step's memory from, and the flat inputs of its
@@ -345,7 +349,7 @@ class PipelineBase(PipelineViews):
         _check_same_edges(programs)
         inputs = [p.part.bind_inputs(args, kwargs) for p, (args, kwargs) in zip(programs, calls)]
         sizes = [microbatch.batch_size(flat) or 1 for flat in inputs]
-        batch = Batch(inputs, targets, sizes, sum(sizes), self.replica * len(inputs), programs=programs, listed=True, calls=calls)
+        batch = Batch(inputs, targets, sizes, sum(sizes), self.replica * len(inputs), programs=programs, calls=calls)
         batch.step = list(zip(inputs, targets, sizes))
         return batch
 
