@@ -20,7 +20,7 @@ sit on it and keep every activation. The options, each a ``Plan``:
 
 For each option it prints, and plots, what the cost model predicts for the declared devices
 (``fxpipe.partition`` on a host "cpu" and a "cuda:0": nothing needs the hardware): the step
-time, and the bytes the accelerator must hold (``fxpipe.memory_plan.device_needs``: its
+time, and the bytes the accelerator must hold (``fxpipe.planner.memory_plan.device_needs``: its
 stages' state with Adam's moments, plus its activations at their peak from each stage's
 memory profile walked through the schedule). Then it runs every option it can for real and
 measures the same bytes (``pipe.memory()``: the step's activation peak on the device, plus
@@ -47,8 +47,8 @@ from common import limit_threads, random_tokens, synchronize
 from torch import nn
 
 import fxpipe
-from fxpipe import format as fmt
-from fxpipe.memory_plan import device_needs
+from fxpipe.inspection import format as fmt
+from fxpipe.planner.memory_plan import device_needs
 
 HOST, GPU = "cpu", "cuda:0"  # the declared devices
 ADAM_STATES = 2

@@ -10,21 +10,21 @@ runs). ``pipe.memory()`` reports each stage's memory, measured against its predi
 
 from typing import Any
 
-from fxpipe.compiler import CompileError, partition
+from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.compiler.driver import CompileError, partition
+from fxpipe.compiler.partitioned import Partitioned
+from fxpipe.compiler.stage import Stage
 from fxpipe.devices import DeviceError
 from fxpipe.factory import compile
 from fxpipe.guard import device_guard
-from fxpipe.local_pipeline import Pipeline
-from fxpipe.memory_report import MemoryReport
-from fxpipe.microbatch import MicrobatchError
-from fxpipe.partitioned import Partitioned
+from fxpipe.inspection.memory_report import MemoryReport
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.traced import TraceError
 from fxpipe.plan import DeviceSpec, Plan, PlanError
-from fxpipe.profile import Profile, profile
+from fxpipe.planner.profile import Profile, profile
 from fxpipe.runtime.local import PipelineError
+from fxpipe.runtime.local_pipeline import Pipeline
 from fxpipe.schedules import Action, ScheduleError, check_schedule
-from fxpipe.stage import Stage
 from fxpipe.tune import tune
 
 # fxpipe.distributed loads when one of its names is first asked for (or a compile runs)

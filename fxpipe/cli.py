@@ -32,10 +32,10 @@ from tqdm import tqdm
 import fxpipe
 from fxpipe import cli_model
 from fxpipe.cli_model import CommandError
-from fxpipe.drawing.page import write_page
+from fxpipe.inspection.page import write_page
+from fxpipe.inspection.timeline import Timeline
 from fxpipe.passes.meta import VAL
 from fxpipe.schedules import SCHEDULES
-from fxpipe.timeline import Timeline
 
 EXAMPLES = """\
 MODEL is one of

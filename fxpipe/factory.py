@@ -1,6 +1,6 @@
 """``fxpipe.compile`` and ``build_pipeline``: a partition made into a pipeline that runs.
 
-The one module that picks the local :class:`~fxpipe.local_pipeline.Pipeline` or, when this
+The one module that picks the local :class:`~fxpipe.runtime.local_pipeline.Pipeline` or, when this
 process is one of several (torchrun), the ``DistributedPipeline``, and the one that hands
 the pipelines what they ask of the compiler while they run (:data:`COMPILER`: the retrace
 of a new input signature and the questions asked on fake tensors), so that no pipeline
@@ -19,15 +19,15 @@ from typing import Any
 
 from torch import nn
 
-from fxpipe.batched_outputs import batched_outputs, output_like
-from fxpipe.collector import collector_paused
-from fxpipe.compiler import CompileError, on_meta, partition, partition_like
+from fxpipe.batching.batched_outputs import batched_outputs, output_like
+from fxpipe.compiler.collector import collector_paused
+from fxpipe.compiler.driver import CompileError, on_meta, partition, partition_like
+from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.devices import check_available
-from fxpipe.local_pipeline import Pipeline
-from fxpipe.partitioned import Partitioned
 from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.plan import Plan, PlanError
-from fxpipe.profile import Profile
+from fxpipe.planner.profile import Profile
+from fxpipe.runtime.local_pipeline import Pipeline
 from fxpipe.runtime.pipeline_base import Compiler
 
 COMPILER = Compiler(
@@ -61,7 +61,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     (a state dict, a checkpoint path, an init function, or None for the modules' own
     ``reset_parameters``). See docs/distributed.md. In one process ``weights`` cannot
     apply: it raises MaterializeError (load the weights into the model first). Python's
-    garbage collector is paused while it compiles (``fxpipe.collector``).
+    garbage collector is paused while it compiles (``fxpipe.compiler.collector``).
     """
     # fxpipe.distributed loads on the first compile, not with ``import fxpipe``
     from fxpipe.distributed.layout import requested
@@ -107,7 +107,7 @@ def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None) -> 
     """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
     devices; the stages are placed as copies, so ``model`` is not changed. Raises
     DeviceError when a stage's device is not present. Python's garbage collector is paused
-    while the stages are copied (``fxpipe.collector``)."""
+    while the stages are copied (``fxpipe.compiler.collector``)."""
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with collector_paused(), warnings.catch_warnings():

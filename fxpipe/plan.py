@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxpipe.batching.microbatch import MERGE_MODES
 from fxpipe.devices import default_devices, normalize_device
-from fxpipe.microbatch import MERGE_MODES
 from fxpipe.schedules import (
     SCHEDULES,
     Schedule,

@@ -9,7 +9,7 @@ micro-batches leave a bigger pipeline bubble; more pay the fixed per-op and per-
 costs more often on smaller kernels, so the curve is U-shaped and its bottom is the answer;
 schedules differ in their bubble and in how many micro-batches they keep in memory. Under
 ``checkpoint="auto"`` (or ``offload="auto"``) each pair gets its own per-stage choice
-(``fxpipe.memory_plan``), so the sweep searches over recompute too.
+(``fxpipe.planner.memory_plan``), so the sweep searches over recompute too.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.compiler import partition
-from fxpipe.cost_model import spec_for
+from fxpipe.batching.microbatch import batch_size
+from fxpipe.compiler.driver import partition
 from fxpipe.factory import build_pipeline
-from fxpipe.memory_plan import with_memory_plan
-from fxpipe.microbatch import batch_size
 from fxpipe.plan import Plan, PlanError, PlanScheduleError
+from fxpipe.planner.cost_model import spec_for
+from fxpipe.planner.memory_plan import with_memory_plan
 from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_schedule
 
 
@@ -150,7 +150,7 @@ def _plans_memory(plan: Plan) -> bool:
 
 def _memory_planned(part: Any) -> Any:
     """``part`` with each stage's recompute and offload chosen for its schedule and count
-    when the plan says "auto" (``fxpipe.memory_plan``); None when nothing fits or the plan
+    when the plan says "auto" (``fxpipe.planner.memory_plan``); None when nothing fits or the plan
     states them."""
     if not _plans_memory(part.plan):
         return None

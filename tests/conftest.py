@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.microbatch import split_sizes
+from fxpipe.batching.microbatch import split_sizes
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -21,7 +21,6 @@ from conftest import assert_grads_match
 from torch import nn
 
 import fxpipe
-from fxpipe.auto_split import auto_split
 from fxpipe.passes import annotate
 from fxpipe.passes.codegen import build_stage_module, stage_graph
 from fxpipe.passes.generalise import check_generalises
@@ -33,6 +32,7 @@ from fxpipe.passes.signature import TraceKey
 from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace import trace
 from fxpipe.passes.traced import Traced
+from fxpipe.planner.auto_split import auto_split
 
 
 @dataclass

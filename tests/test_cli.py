@@ -292,7 +292,7 @@ def _share(image, colour: str) -> float:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (make install installs it where apt-get can)")
 def test_inspect_html_is_one_page_a_real_browser_renders(model_folder, tmp_path, capsys):
-    from fxpipe.drawing import diagram, gantt
+    from fxpipe.inspection import diagram, gantt
 
     assert cli.main(["inspect", "net.py", "--input", "8x10", "--stages", "2", "--split", "2", "--html", "--explain", "--out", "out"]) == 0
     page = model_folder / "out" / "inspect.html"

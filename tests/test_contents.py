@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpipe
-from fxpipe.contents import RANGE, stage_contents
+from fxpipe.inspection.contents import RANGE, stage_contents
 
 GPT2_BLOCK = ["ln_1", "attn.c_attn", "attn.c_proj", "attn", "ln_2", "mlp.c_fc", "mlp.act", "mlp.c_proj", ""]
 

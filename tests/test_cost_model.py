@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
-from fxpipe.cost_model import DeviceModel, default_spec, spec_for
 from fxpipe.passes.meta import COST
 from fxpipe.passes.node_costs import NodeCost
+from fxpipe.planner.cost_model import DeviceModel, default_spec, spec_for
 
 X = torch.randn(16, 32)
 

@@ -25,7 +25,7 @@ from test_tags_and_edges import Encoder, SkipOverStage, StructuredValues
 from torch import nn
 
 import fxpipe
-from fxpipe import microbatch
+from fxpipe.batching import microbatch
 from fxpipe.distributed import LaunchError, PlanMismatchError, RankFailedError, launch
 from fxpipe.distributed.comm import (
     CommPlanError,
@@ -37,7 +37,7 @@ from fxpipe.distributed.comm import (
 )
 from fxpipe.distributed.specs import LeafSpec, ValueSpec, derive_edge_specs, fake_extras
 from fxpipe.passes.fake_replay import FakeReplay
-from fxpipe.placement import skeleton
+from fxpipe.runtime.placement import skeleton
 from fxpipe.schedules import make_schedule, stage_workers
 
 CE = nn.CrossEntropyLoss()

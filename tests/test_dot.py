@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import format as fmt
-from fxpipe.drawing import diagram as dot
-from fxpipe.drawing.diagram import partition_diagram, partition_dot
+from fxpipe.inspection import diagram as dot
+from fxpipe.inspection import format as fmt
+from fxpipe.inspection.diagram import partition_diagram, partition_dot
 
 
 class SkipNet(nn.Module):

@@ -11,9 +11,9 @@ from test_contents import Stack
 from test_dot import SkipNet
 
 import fxpipe
-from fxpipe.drawing import render as draw_module
-from fxpipe.drawing.diagram import partition_diagram
-from fxpipe.drawing.render import DrawError, draw, fallback_size, graphviz_available, layout
+from fxpipe.inspection import render as draw_module
+from fxpipe.inspection.diagram import partition_diagram
+from fxpipe.inspection.render import DrawError, draw, fallback_size, graphviz_available, layout
 
 needs_graphviz = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
 

@@ -21,7 +21,7 @@ from test_tracing import LengthBranch, Masked
 from torch import nn
 
 import fxpipe
-from fxpipe import microbatch
+from fxpipe.batching import microbatch
 from fxpipe.distributed import launch
 
 LAUNCH_TIMEOUT = 180

@@ -1,12 +1,16 @@
-"""The layers stay one-way: every module imports on its own, passes know nothing of fxpipe,
-the runtimes import no pass and not each other, the compiler imports no pipeline, drawings
-import no executor, and no module imports itself back through others (no cycles, counting
-the imports made inside functions)."""
+"""The tree is the architecture and its layers stay one-way: fxpipe/ keeps at its top only
+what a user names, beside one room per layer (batching, compiler, planner, runtime,
+distributed, inspection); every module imports on its own; passes know nothing of fxpipe;
+the runtimes import no pass and not each other; the compiler imports no pipeline; the
+planner and inspection import no runtime; and no module imports itself back through others
+(no cycles, counting the imports made inside functions)."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,15 +100,19 @@ def _matching(prefixes: tuple[str, ...]) -> list[str]:
 
 
 PASSES = ("fxpipe.passes",)
-COMPILER = ("fxpipe.compiler", "fxpipe.factory")
-PIPELINES = ("fxpipe.local_pipeline", "fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
+# the pass driver and the one module that builds pipelines from its result
+COMPILER = ("fxpipe.compiler.driver", "fxpipe.factory")
+PIPELINES = ("fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
 # one stage's runner and what it runs with: the compiler's memory profile runs it on fake tensors
 STAGE_RUNTIME = (
     "fxpipe.runtime.runner", "fxpipe.runtime.context", "fxpipe.runtime.memory", "fxpipe.runtime.offload",
-    "fxpipe.runtime.recompute", "fxpipe.runtime.finite", "fxpipe.runtime.streams",
+    "fxpipe.runtime.recompute", "fxpipe.runtime.finite", "fxpipe.runtime.streams", "fxpipe.runtime.placement",
 )
-LOCAL_RUNTIME = ("fxpipe.local_pipeline", "fxpipe.runtime.local")
+LOCAL_RUNTIME = ("fxpipe.runtime.local_pipeline", "fxpipe.runtime.local")
 DISTRIBUTED_RUNTIME = ("fxpipe.distributed",)
+# the rooms of fxpipe/: what the tree says the architecture is
+ROOMS = ("batching", "compiler", "distributed", "inspection", "planner", "runtime")
+TOP_LEVEL_LIMIT = 15
 
 
 def test_no_import_cycles_even_through_imports_inside_functions() -> None:
@@ -112,7 +120,7 @@ def test_no_import_cycles_even_through_imports_inside_functions() -> None:
     assert not cycles, f"modules that import each other (directly or through others): {cycles}"
 
 
-@pytest.mark.parametrize("module", _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline")))
+@pytest.mark.parametrize("module", _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.runtime.local_pipeline")))
 def test_runtimes_import_no_pass_and_not_each_other(module: str) -> None:
     reached = _reached(module)
     bad = sorted(m for m in reached if m in _matching(PASSES + COMPILER))
@@ -128,12 +136,12 @@ def test_runtimes_import_no_pass_and_not_each_other(module: str) -> None:
 
 
 def test_the_compiler_imports_no_pipeline() -> None:
-    for module in ("fxpipe.compiler", "fxpipe.partitioned", "fxpipe.profile"):
+    for module in _matching(("fxpipe.compiler", "fxpipe.planner")):
         bad = sorted(m for m in _reached(module) if m in _matching(PIPELINES) and m not in STAGE_RUNTIME)
         assert not bad, f"{module} reaches {bad}: only fxpipe.factory builds pipelines"
 
 
-@pytest.mark.parametrize("module", _matching(("fxpipe.drawing", "fxpipe.timeline")))
+@pytest.mark.parametrize("module", _matching(("fxpipe.inspection", "fxpipe.inspection.timeline")))
 def test_drawings_and_timelines_import_no_executor_and_plot_lazily(module: str) -> None:
     bad = sorted(m for m in _reached(module) if m in _matching(PIPELINES))
     assert not bad, f"{module} reaches {bad}: drawings read the partition and the recorded events only"
@@ -145,7 +153,7 @@ def test_drawings_and_timelines_import_no_executor_and_plot_lazily(module: str) 
 
 
 def test_runtime_functions_stay_short_and_dispatch_actions_in_one_place() -> None:
-    runtime = _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.local_pipeline"))
+    runtime = _matching(("fxpipe.runtime", "fxpipe.distributed", "fxpipe.runtime.local_pipeline"))
     long = [
         f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)"
         for name in runtime
@@ -213,7 +221,7 @@ def test_passes_import_torch_networkx_and_themselves_only(path: Path) -> None:
 
 
 def test_schedules_import_no_torch() -> None:
-    for name in ("schedules.py", "schedule_sim.py"):
+    for name in ("schedules.py", "planner/schedule_sim.py", "planner/memory_model.py"):
         imports = _imports(ROOT / "fxpipe" / name)
         assert not any(i.split(".")[0] == "torch" for i in imports), f"fxpipe/{name} imports torch: {imports}"
 
@@ -230,3 +238,34 @@ def test_pyproject_lists_every_package() -> None:
     listed = set(config["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fxpipe").rglob("__init__.py")}
     assert found | {"fxpipe.passes"} == listed, f"pyproject.toml [tool.setuptools] packages must list {sorted(found)}"
+
+
+def test_the_top_level_holds_only_what_a_user_names() -> None:
+    top = sorted(p.name for p in (ROOT / "fxpipe").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_LIMIT, f"fxpipe/ holds {len(top)} modules at its top (at most {TOP_LEVEL_LIMIT}): {top}"
+    rooms = sorted(p.parent.name for p in (ROOT / "fxpipe").glob("*/__init__.py"))
+    assert rooms == sorted(ROOMS), f"fxpipe/'s subpackages {rooms} are not the architecture's rooms {sorted(ROOMS)}"
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_every_room_says_what_it_holds(room: str) -> None:
+    doc = ast.get_docstring(ast.parse((ROOT / "fxpipe" / room / "__init__.py").read_text()))
+    assert doc and len(doc) > 80, f"fxpipe/{room}/__init__.py needs a docstring that says what the room holds"
+    assert f"fxpipe/{room}/" in (ROOT / "docs" / "architecture.md").read_text(), f"docs/architecture.md does not draw fxpipe/{room}/"
+
+
+def test_every_public_name_and_documented_import_path_still_works() -> None:
+    import fxpipe
+
+    missing = [name for name in fxpipe.__all__ if not hasattr(fxpipe, name)]
+    assert not missing, f"fxpipe.__all__ names missing: {missing}"
+    paths = set()
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        paths.update(re.findall(r"\b(?:from|import) (fxpipe(?:\.\w+)+)", doc.read_text()))
+    broken = []
+    for path in sorted(paths):
+        try:
+            importlib.import_module(path)
+        except ImportError as err:
+            broken.append(f"{path}: {err}")
+    assert not broken, f"import paths the docs show that no longer import: {broken}"

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from fxpipe.batching.microbatch import MicrobatchError
 from fxpipe.distributed import launch
-from fxpipe.microbatch import MicrobatchError
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
-from fxpipe.memory_model import MicrobatchMemory, activation_peaks
+from fxpipe.planner.memory_model import MicrobatchMemory, activation_peaks
 from fxpipe.schedules import make_schedule
 
 torchvision = pytest.importorskip("torchvision")
@@ -323,13 +323,13 @@ def test_memory_on_every_rank_and_per_stage_recompute_match_eager_on_two_gloo_ra
 
 
 def test_stages_fake_tensors_cannot_run_fall_back_to_output_sizes_and_say_so(monkeypatch) -> None:
-    import fxpipe.memory_profile
+    import fxpipe.compiler.memory_profile
 
     def cannot(part, *args):
         raise RuntimeError("stage 1 cannot run on fake tensors, so what it keeps for backward cannot be predicted: boom")
 
     part = fxpipe.partition(Blocks(), dict(devices=[f"cpu:{k}" for k in range(4)], split=SPLIT), example_inputs=(torch.randn(8, 6),))
-    monkeypatch.setattr(fxpipe.memory_profile, "profile", cannot)
+    monkeypatch.setattr(fxpipe.compiler.memory_profile, "profile", cannot)
     assert part.memory_profile() is None
     assert "memory predicted from output sizes: stage 1 cannot run on fake tensors" in "\n".join(part.notes)
     estimates = part.estimates()

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.batched_outputs import batched_outputs
-from fxpipe.microbatch import (
+from fxpipe.batching.batched_outputs import batched_outputs
+from fxpipe.batching.microbatch import (
     LossFunctionError,
     MicrobatchError,
     check_output_merge,

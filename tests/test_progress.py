@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.progress import Progress
+from fxpipe.compiler.progress import Progress
 
 
 def test_a_short_compile_prints_nothing(capsys) -> None:

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fxpipe
-import fxpipe.compiler
+import fxpipe.compiler.driver
 from fxpipe.passes import keyed, scope
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.meta import MODULE_PATH, RNG_KEY, RNG_SEED
@@ -129,7 +129,7 @@ def numbered_before_partition(monkeypatch):
         number_random_ops(graph)
         return partition_pass(graph, num_stages)
 
-    monkeypatch.setattr(fxpipe.compiler, "partition_pass", numbered_then_cut)
+    monkeypatch.setattr(fxpipe.compiler.driver, "partition_pass", numbered_then_cut)
 
 
 class Keyed:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.plan import Plan, PlanError
-from fxpipe.schedule_sim import simulate
+from fxpipe.planner.schedule_sim import simulate
 from fxpipe.schedules import (
     SCHEDULES,
     Action,

@@ -14,7 +14,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import fxpipe
-from fxpipe.auto_split import auto_split
 from fxpipe.passes import annotate
 from fxpipe.passes.generalise import TraceMismatch, check_generalises
 from fxpipe.passes.meta import STAGE
@@ -22,6 +21,7 @@ from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace import trace
+from fxpipe.planner.auto_split import auto_split
 
 
 class Block(nn.Module):

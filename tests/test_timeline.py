@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import fxpipe
 from fxpipe.distributed import launch
-from fxpipe.schedule_sim import simulate
+from fxpipe.inspection.timeline import Event, Timeline
+from fxpipe.planner.schedule_sim import simulate
 from fxpipe.schedules import Action, ScheduleError, gpipe, make_schedule, one_f_one_b, zb_h1, zb_v
-from fxpipe.timeline import Event, Timeline
 
 
 @given(
@@ -262,7 +262,7 @@ def test_chrome_trace_puts_i_and_w_on_the_action_track(tmp_path):
 
 
 def test_gantt_legend_names_i_and_w_in_their_own_colours():
-    from fxpipe.drawing.gantt import legend_entries
+    from fxpipe.inspection.gantt import legend_entries
 
     zero_bubble = simulate(zb_v(2, 4), 4, 1.0, 2.0)
     entries = legend_entries([zero_bubble])

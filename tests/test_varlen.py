@@ -18,9 +18,9 @@ from doc_masks import DocLM, MaskBuilder, Opaque, allowed, document_mask
 from torch import nn
 
 import fxpipe
+from fxpipe.batching.microbatch import MicrobatchError
 from fxpipe.distributed import launch
 from fxpipe.distributed.fsdp import full
-from fxpipe.microbatch import MicrobatchError
 from fxpipe.schedules import Action
 
 LENGTHS = (5, 9, 13, 16)

@@ -43,7 +43,7 @@ from fxpipe.factory import build_pipeline
 from fxpipe.passes.partition import EDGE
 from fxpipe.passes.split_solver import SplitProblem, ordered_problem_inputs, refine, solve
 from fxpipe.passes.targets import resolver
-from fxpipe.schedule_sim import simulate
+from fxpipe.planner.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
 from fxpipe.tune import plot_sweep, sweep
 
@@ -286,7 +286,7 @@ def main() -> None:
     torch.set_num_threads(1)
     repeats = 1 if args.quick else args.repeats
     sizes = [32] if args.quick else args.sizes
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu spec {fxpipe.cost_model.default_spec('cpu')}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu spec {fxpipe.planner.cost_model.default_spec('cpu')}")
     if "partitioner" in args.parts:
         partitioner_speed()
     loss = nn.CrossEntropyLoss()

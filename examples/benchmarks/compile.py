@@ -55,9 +55,9 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 import fxpipe
-import fxpipe.compiler
+import fxpipe.compiler.driver
 import fxpipe.factory
-from fxpipe.progress import Progress
+from fxpipe.compiler.progress import Progress
 
 PARTS = ("resnet152", "lm", "depth", "scaling")
 
@@ -186,7 +186,7 @@ def _compile_phases(model: nn.Module, ids: torch.Tensor, paths: list[str]) -> di
     plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(4)], split=paths, microbatches=4)
     gc.callbacks.append(on_collection)
     try:
-        with mock.patch.object(fxpipe.compiler, "Progress", _PhaseRecord), mock.patch.object(fxpipe.factory, "build_pipeline", build):
+        with mock.patch.object(fxpipe.compiler.driver, "Progress", _PhaseRecord), mock.patch.object(fxpipe.factory, "build_pipeline", build):
             total = _seconds(lambda: fxpipe.compile(model, plan, (ids,), loss_fn=_loss))
     finally:
         gc.callbacks.remove(on_collection)

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fxpipe
-from fxpipe import format as fmt
 from fxpipe.distributed import launch
 from fxpipe.distributed.fsdp import ShardedStages, local
+from fxpipe.inspection import format as fmt
 
 BATCH, WIDTH, DEPTH = 128, 1024, 8
 VARIANTS = {

@@ -31,7 +31,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
-from fxpipe.schedule_sim import simulate
+from fxpipe.planner.schedule_sim import simulate
 from fxpipe.schedules import make_schedule
 
 M = 8  # micro-batches

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import format as fmt
+from fxpipe.inspection import format as fmt
 
 FIVE = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
 V_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2), ("v-half", 2), ("v-min", 2)]

@@ -22,10 +22,10 @@ import torch.utils._pytree as pytree
 from fxpipe.distributed import comm
 from fxpipe.distributed.faults import RankFailedError, Watchdog
 from fxpipe.distributed.specs import ValueSpec
+from fxpipe.inspection.timeline import Event
 from fxpipe.runtime.interpret import ACT, GRAD, Step, inbound, interpret, outbound
 from fxpipe.runtime.runner import Grads, StageRunner
 from fxpipe.schedules import Action
-from fxpipe.timeline import Event
 
 
 class RankExecutor:

@@ -24,7 +24,7 @@ between reductions.
 A weight that two stages of this rank share (an embedding tied to the LM head under
 zb-v) cannot be in two FSDP units: :func:`untie` gives the later stage its own copy, and
 :class:`ShardedStages` keeps the copies one weight as the local pipeline keeps copies on
-several devices (``fxpipe.placement.TiedGroup``): before every call each copy takes the
+several devices (``fxpipe.runtime.placement.TiedGroup``): before every call each copy takes the
 first's values; after a step its gradient is added into the first's, which the optimizer
 updates (the first is the one ``pipe.parameters()`` lists).
 """
@@ -42,14 +42,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fxpipe.placement import TiedGroup, copy_module
 from fxpipe.plan import PlanError
 from fxpipe.runtime.interpret import Step
+from fxpipe.runtime.placement import TiedGroup, copy_module
 from fxpipe.runtime.runner import StageRunner
 from fxpipe.schedules import Action
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
+    from fxpipe.compiler.partitioned import Partitioned
 
 
 def keep_gathered(param_bytes: Mapping[int, float], resident: float, memory: float) -> dict[int, bool]:

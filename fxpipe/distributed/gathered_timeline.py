@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from fxpipe.distributed.faults import RankFailedError, Watchdog
-from fxpipe.timeline import EVENT_OPS, Event
+from fxpipe.inspection.timeline import EVENT_OPS, Event
 
 DEVICE_CHARS = 32  # a device name's room in a packet ("cuda:0", "cpu")
 FIELDS = 6  # worker, stage, micro-batch, op, start, end

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.placement import copy_module
+from fxpipe.runtime.placement import copy_module
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike | Callable[[nn.Module], None] | None
 

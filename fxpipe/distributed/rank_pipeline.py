@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.batching.loss_scale import StepCounts
+from fxpipe.batching.microbatch import signature
 from fxpipe.distributed import comm, startup
 from fxpipe.distributed import gathered_timeline as gathered
 from fxpipe.distributed.executor import RankExecutor
@@ -31,20 +33,18 @@ from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
 from fxpipe.distributed.specs import ValueSpec, derive_edge_specs, fake_extras
-from fxpipe.loss_scale import StepCounts
-from fxpipe.microbatch import signature
-from fxpipe.placement import TiedGroup, alias_groups, held_tensors, model_names, skeleton
+from fxpipe.inspection.timeline import Timeline
 from fxpipe.plan import PlanScheduleError
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step, after_last_backward
 from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program
+from fxpipe.runtime.placement import TiedGroup, alias_groups, held_tensors, model_names, skeleton
 from fxpipe.runtime.runner import make_runner
 from fxpipe.runtime.streams import move
 from fxpipe.schedules import describe_schedule
-from fxpipe.timeline import Timeline
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
+    from fxpipe.compiler.partitioned import Partitioned
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.microbatch import tensors_inside
+from fxpipe.batching.microbatch import tensors_inside
 
 
 class SignatureError(RuntimeError):

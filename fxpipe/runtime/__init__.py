@@ -10,6 +10,9 @@
 - :mod:`~fxpipe.runtime.pipeline_base`: :class:`PipelineBase`, the module-like API, micro-batch
   split and program cache of both pipelines.
 - :mod:`~fxpipe.runtime.streams`: CUDA streams and events on hand-offs (no-ops on CPU).
+- :mod:`~fxpipe.runtime.placement`: stage copies on their devices, tied weights, the model's
+  own parameter names.
+- :mod:`~fxpipe.runtime.local_pipeline`: :class:`Pipeline`, the one-process pipeline.
 
 The distributed executor (``fxpipe.distributed.executor``) runs the same loop with
 point-to-point communication. Nothing here imports a compiler pass.

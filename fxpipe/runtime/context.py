@@ -99,7 +99,7 @@ class StepContext:
 
     def loss_scaling(self, i: int) -> contextlib.AbstractContextManager:
         """The context the last stage computes micro-batch ``i`` in: a model's own loss
-        calls scaled to the step's counts (``fxpipe.loss_scale``), or nothing."""
+        calls scaled to the step's counts (``fxpipe.batching.loss_scale``), or nothing."""
         if self.last_stage_scaling is None or not self.train:
             return _NOTHING
         return self.last_stage_scaling(i)

@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fxpipe.inspection.timeline import Event
 from fxpipe.runtime import inject
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.runner import StageRunner
 from fxpipe.schedules import Action
-from fxpipe.timeline import Event
 
 ACT, GRAD = "act", "grad"  # what crosses an edge: a forward's value, or its gradient coming back
 _LATE = 1e-4  # seconds of waiting for inputs worth a "recv" event on the timeline

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxpipe.inspection.timeline import Event
 from fxpipe.runtime.interpret import ACT, Step, inbound, interpret, outbound
 from fxpipe.runtime.runner import StageRunner
 from fxpipe.runtime.streams import WorkerStream
 from fxpipe.schedules import Action
-from fxpipe.timeline import Event
 
 _POLL = 0.5  # seconds between the calling thread's looks at stuck workers
 

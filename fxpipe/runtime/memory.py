@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxpipe.inspection.memory_report import StateBytes
 from fxpipe.runtime.offload import Offload
 
 # (device, storage identity): a storage, which views and detached copies share
@@ -277,8 +278,9 @@ def stored_bytes(tensors: Iterable[torch.Tensor]) -> dict[StorageKey, int]:
     return out
 
 
-def state_bytes(module: torch.nn.Module) -> tuple[int, int]:
-    """(parameter bytes, buffer bytes) of a stage module, each storage once."""
+def held_state(module: torch.nn.Module) -> StateBytes:
+    """What ``module`` (a stage) holds between steps, each storage once, for ``pipe.memory()``."""
     params = stored_bytes(module.parameters())
     buffers = {k: v for k, v in stored_bytes(module.buffers()).items() if k not in params}
-    return sum(params.values()), sum(buffers.values())
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return StateBytes(sum(params.values()), sum(buffers.values()), trainable)

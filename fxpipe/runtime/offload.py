@@ -15,7 +15,7 @@ Correct by construction: every copy is ordered by CUDA events (after the produce
 the consumer), and the values autograd gets back are the values it saved. Tensors below
 ``MIN_BYTES`` stay on the GPU (the copies' fixed costs outweigh them). On a CPU stage
 nothing moves; the compiler never sets ``offload`` there. The memory profile
-(``fxpipe.memory_profile``) uses the same class with ``copy=False``: nothing moves, but
+(``fxpipe.compiler.memory_profile``) uses the same class with ``copy=False``: nothing moves, but
 the accounting sees the tensors leave at the forward and return at the prefetch.
 """
 

@@ -22,16 +22,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe import loss_scale, microbatch
-from fxpipe.memory_report import MemoryReport, memory_report
-from fxpipe.microbatch import MicrobatchError
-from fxpipe.placement import skeleton
+from fxpipe.batching import loss_scale, microbatch
+from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.inspection.memory_report import MemoryReport, memory_report
+from fxpipe.inspection.views import PipelineViews
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import ActionHook
-from fxpipe.runtime.memory import StepMemory
+from fxpipe.runtime.memory import StepMemory, held_state
+from fxpipe.runtime.placement import skeleton
 from fxpipe.runtime.runner import StageRunner
 from fxpipe.schedules import describe_schedule
-from fxpipe.views import PipelineViews
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,13 @@ class Compiler:
     so that no pipeline or executor imports the compiler or a pass.
 
     retrace(first, model, args, kwargs, roots_for): the Partitioned of another input
-    signature, cut like ``first`` (``fxpipe.compiler.partition_like``; roots_for(s): the
+    signature, cut like ``first`` (``fxpipe.compiler.driver.partition_like``; roots_for(s): the
     modules holding stage s's placed parameters). batched_outputs(model, args, kwargs):
     which tensor outputs follow the batch, asked on fake tensors
-    (``fxpipe.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
+    (``fxpipe.batching.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
     output_like(model, args, kwargs): the model's output for a call as meta tensors, from
-    one run on fake tensors (``fxpipe.batched_outputs.output_like``): what a step's loss
+    one run on fake tensors (``fxpipe.batching.batched_outputs.output_like``): what a step's loss
     counts are taken from before its micro-batches run.
     """
 
@@ -296,14 +296,15 @@ class PipelineBase(PipelineViews):
         stage it runs: ``.parameters``, ``.gradients``, ``.buffers``,
         ``.activations_peak`` (measured), ``.predicted_peak`` and ``.measured_peak`` in
         bytes, and on CUDA the allocator's peak; ``print`` it for a table (see
-        ``fxpipe.memory_report``). A step is measured the first time each input
+        ``fxpipe.inspection.memory_report``). A step is measured the first time each input
         signature runs with each micro-batch count (its memory repeats after that, and
         measuring costs a hook per saved tensor). Raises RuntimeError before the first
         training step."""
         if self._last_memory is None:
             raise RuntimeError("no training step has run yet: call pipe.step(...) first, then pipe.memory()")
         part, inputs, sizes, step, modules = self._last_memory
-        return memory_report(part, sizes, step, modules, describe_schedule(self.plan.schedule), inputs)
+        state = {index: held_state(module) for index, module in modules.items()}
+        return memory_report(part, sizes, step, state, describe_schedule(self.plan.schedule), inputs)
 
     def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any) -> Batch:
         """This process's micro-batches of a call: the batch cut (:meth:`_split`), or the
@@ -389,7 +390,7 @@ class PipelineBase(PipelineViews):
         replica's micro-batches under data parallelism, each replica passing its own list).
 
         Raises MicrobatchError for more micro-batches than samples, or a list of
-        micro-batches that disagree (:func:`fxpipe.microbatch.listed_calls`), PipelineError
+        micro-batches that disagree (:func:`fxpipe.batching.microbatch.listed_calls`), PipelineError
         (RankFailedError when distributed) naming the failing stage.
         """
         loss_fn = loss_fn or self.loss_fn
@@ -418,7 +419,7 @@ class PipelineBase(PipelineViews):
         return True
 
     def _step_counts(self, loss_fn: Any, batch: Batch) -> loss_scale.StepCounts | loss_scale.Counter | None:
-        """How this step's mean losses are normalised (``fxpipe.loss_scale.step_loss``): its
+        """How this step's mean losses are normalised (``fxpipe.batching.loss_scale.step_loss``): its
         counts, counted now (a listed step, or a model's own loss), or a counter of
         ``loss_fn``'s calls run on the first micro-batch's output; None when the calls
         cannot be counted (a warning says so, once)."""

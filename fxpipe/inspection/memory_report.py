@@ -4,8 +4,8 @@ A stage's memory is its state (parameters, their gradients, buffers) plus the te
 keeps for backward, at their peak over the step. The measured peak comes from the step
 itself (``fxpipe.runtime.memory``: autograd's saved tensors and the runner's held values,
 each storage once, as the schedule interleaves micro-batches); the predicted one from the
-stage's memory profile (a fake run, ``fxpipe.memory_profile``) walked through the
-schedule (``fxpipe.memory_model``). Optimizer state is not part of either peak (the
+stage's memory profile (a fake run, ``fxpipe.compiler.memory_profile``) walked through the
+schedule (``fxpipe.planner.memory_model``). Optimizer state is not part of either peak (the
 pipeline does not know the optimizer); the planner (``checkpoint="auto"``) adds Adam's
 two moments per parameter to what a device must hold.
 """
@@ -16,14 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fxpipe import format as fmt
 from fxpipe.devices import torch_device
-from fxpipe.memory_model import activation_peaks, describe_choice
-from fxpipe.runtime.memory import StepMemory, state_bytes
+from fxpipe.inspection import format as fmt
+from fxpipe.planner.memory_model import activation_peaks, describe_choice
 from fxpipe.schedules import stage_workers
 
 if TYPE_CHECKING:
-    from fxpipe.estimates import StageChoices
+    from fxpipe.planner.estimates import StageChoices
+    from fxpipe.runtime.memory import StepMemory
 
 
 @dataclass(frozen=True)
@@ -115,21 +115,30 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class StateBytes:
+    """What a stage module holds between steps, each storage once: parameter bytes,
+    buffer bytes, and the bytes of the parameters that get gradients."""
+
+    params: int
+    buffers: int
+    trainable: int
+
+
 def memory_report(
-    part: Any, sizes: list[int], step: StepMemory, modules: dict[int, Any], schedule: str, inputs: list | None = None
+    part: Any, sizes: list[int], step: StepMemory, state: dict[int, StateBytes], schedule: str, inputs: list | None = None
 ) -> MemoryReport:
     """The report of a step of ``part`` (its Partitioned) cut into micro-batches of
-    ``sizes`` that ran ``modules`` (this process's stage modules, by index). Micro-batches
+    ``sizes`` whose stage modules held ``state`` (this process's stages, by index). Micro-batches
     of different shapes (a listed step) give ``inputs``, the flat inputs of the one with
     the most elements: every micro-batch is predicted as that one, an upper bound."""
     m = len(sizes)
     choices = part.choices(m, size=max(sizes), inputs=inputs)
     estimates = part.estimates(m, choices)
     rows = []
-    for index, module in sorted(modules.items()):
+    for index, held in sorted(state.items()):
         stage = part.stages[index]
-        params, buffers = state_bytes(module)
-        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        params, buffers, trainable = held.params, held.buffers, held.trainable
         record = step.stages.get(index)
         measured = record.peak if record is not None else 0
         predicted = estimates[index].activation_peak
@@ -138,10 +147,10 @@ def memory_report(
             params + trainable + buffers + predicted, params + step.gradients.get(index, 0) + buffers + measured,
             step.allocator_peak.get(str(torch_device(stage.device))), describe_choice(stage.recompute, stage.offload),
         ))
-    return MemoryReport(rows, m, schedule, _devices(part, m, choices, step, modules))
+    return MemoryReport(rows, m, schedule, _devices(part, m, choices, step, state))
 
 
-def _devices(part: Any, m: int, choices: StageChoices, step: StepMemory, modules: dict[int, Any]) -> list[DeviceMemoryRow]:
+def _devices(part: Any, m: int, choices: StageChoices, step: StepMemory, state: dict[int, StateBytes]) -> list[DeviceMemoryRow]:
     """Per logical device this process runs stages on: its activations at once, measured
     and (from the workers' order, those on one device added) predicted."""
     predicted: dict[str, float] = {}
@@ -153,6 +162,6 @@ def _devices(part: Any, m: int, choices: StageChoices, step: StepMemory, modules
             predicted[device] = predicted.get(device, 0.0) + peak
     rows = []
     for device, total in step.devices.items():
-        stages = tuple(s for s in sorted(modules) if part.stages[s].device == device)
+        stages = tuple(s for s in sorted(state) if part.stages[s].device == device)
         rows.append(DeviceMemoryRow(device, stages, total.peak, predicted.get(device, 0.0)))
     return rows

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from fxpipe.inspection.timeline import Event, Timeline
 from fxpipe.schedules import Action, StageGraph, execution_order
-from fxpipe.timeline import Event, Timeline
 
 StageCost = float | Callable[[int, int], float]
 EdgeCost = float | Callable[[int, int, int], float]

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fxpipe.drawing.render import draw
+from fxpipe.inspection.render import draw
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
-    from fxpipe.timeline import Timeline
+    from fxpipe.compiler.partitioned import Partitioned
+    from fxpipe.inspection.timeline import Timeline
 
 STYLE = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #111827; max-width: 1600px; }
@@ -41,7 +41,7 @@ NUMERIC = {"nodes", "params", "param bytes", "FLOPs", "predicted", "memory", "by
 def inspection_page(part: Partitioned, timeline: Timeline, level: str = "stage", renderer: str = "auto") -> str:
     """Returns the page's HTML for ``part`` and its predicted ``timeline``; the drawing at
     ``level`` (default the stage view: the page is an overview) by ``renderer`` (see
-    ``fxpipe.drawing.render.draw``, whose errors it raises)."""
+    ``fxpipe.inspection.render.draw``, whose errors it raises)."""
     with tempfile.TemporaryDirectory() as folder:
         drawing = draw(part, Path(folder) / "partition.svg", level=level, renderer=renderer).read_text()
         chart = Path(folder) / "timeline.png"

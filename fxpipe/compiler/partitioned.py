@@ -13,17 +13,25 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxpipe import format as fmt
-from fxpipe import memory_profile
-from fxpipe.contents import crossing_values, stage_contents
-from fxpipe.cost_model import Calibration, stage_models
-from fxpipe.estimates import StageChoices, StageEstimate, estimate_stages, predicted_timeline
-from fxpipe.memory_model import MicrobatchMemory, describe_choice
+from fxpipe.batching.microbatch import microbatch_inputs
+from fxpipe.compiler import memory_profile
+from fxpipe.compiler.stage import Stage
+from fxpipe.inspection import format as fmt
+from fxpipe.inspection.contents import crossing_values, stage_contents
+from fxpipe.inspection.diagram import partition_dot
+from fxpipe.inspection.render import draw as draw_partition
+from fxpipe.inspection.timeline import Timeline
 from fxpipe.passes.partition import Edge, PartitionedGraph
 from fxpipe.plan import Plan, PlanScheduleError
+from fxpipe.planner.cost_model import Calibration, stage_models
+from fxpipe.planner.estimates import (
+    StageChoices,
+    StageEstimate,
+    estimate_stages,
+    predicted_timeline,
+)
+from fxpipe.planner.memory_model import MicrobatchMemory, describe_choice
 from fxpipe.schedules import Schedule, ScheduleSpec, describe_schedule, forward_only, stage_workers
-from fxpipe.stage import Stage
-from fxpipe.timeline import Timeline
 
 
 @dataclass
@@ -43,7 +51,7 @@ class Partitioned:
     another signature's trace at the same places; calibration: the per-kind rates
     ``fxpipe.profile`` measured, if a profile was given; model_losses: the loss calls the
     last stage makes (a model computing its own loss), with the slice that computes their
-    targets from the model's inputs (``fxpipe.loss_scale.ModelLosses``), or None;
+    targets from the model's inputs (``fxpipe.batching.loss_scale.ModelLosses``), or None;
     output_inputs: per output leaf, the model inputs (flat positions) it depends on;
     opaque: the callees the fx frontend runs whole (``fxpipe.passes.opaque.OpaqueCallee``:
     name, why, where fx stopped), listed by summary() and explain().
@@ -127,7 +135,7 @@ class Partitioned:
 
     def stage_contents(self) -> list[list[str]]:
         """Per stage, the modules it runs as the model names them, with numbered blocks as
-        ranges and a block the cut falls inside named by part (see ``fxpipe.contents``):
+        ranges and a block the cut falls inside named by part (see ``fxpipe.inspection.contents``):
         ``["transformer.h.6 (from attn) – transformer.h.11", "lm_head"]``."""
         return stage_contents([s.module_paths for s in self.stages])
 
@@ -250,7 +258,7 @@ class Partitioned:
         self, microbatches: int | None = None, recompute: Sequence[bool | str] | None = None, offload: Sequence[bool] | None = None,
         size: int | None = None, inputs: list | None = None,
     ) -> list[MicrobatchMemory] | None:
-        """Per stage, what one micro-batch keeps for backward (``fxpipe.memory_profile``),
+        """Per stage, what one micro-batch keeps for backward (``fxpipe.compiler.memory_profile``),
         by default under the stages' own recompute and offload: run on fake tensors at the
         plan's micro-batch once per choice, then scaled to a micro-batch of ``size``
         samples (default: the first piece of the example batch cut into
@@ -264,7 +272,7 @@ class Partitioned:
         if key not in self.profiles:
             try:
                 if inputs is None:
-                    at = memory_profile.microbatch_inputs(self, self.plan.microbatches)[1]
+                    at = microbatch_inputs(self, self.plan.microbatches)[1]
                     self.profiles[key] = (at, memory_profile.profile(self, self.plan.microbatches, recompute, offload))
                 else:
                     self.profiles[key] = (None, memory_profile.profile(self, self.plan.microbatches, recompute, offload, inputs))
@@ -277,13 +285,11 @@ class Partitioned:
         if at is None:
             return measured
         if size is None:
-            size = memory_profile.microbatch_inputs(self, microbatches or self.plan.microbatches)[1]
+            size = microbatch_inputs(self, microbatches or self.plan.microbatches)[1]
         return measured if size == at else [kept.scaled(size / at) for kept in measured]
 
     def to_dot(self, level: str = "auto") -> str:
         """The partition as Graphviz DOT: one cluster per stage, send/recv edges labelled."""
-        from fxpipe.drawing.diagram import partition_dot
-
         return partition_dot(self, level=level)
 
     def draw(self, path: str | Path, level: str = "auto", renderer: str = "auto") -> Path:
@@ -291,11 +297,9 @@ class Partitioned:
 
         level: "node" (every node), "stage" (a box per stage) or "auto" (stage view for
         big graphs). Uses Graphviz when installed, a matplotlib renderer otherwise; see
-        ``fxpipe.drawing.render.draw`` for what it raises.
+        ``fxpipe.inspection.render.draw`` for what it raises.
         """
-        from fxpipe.drawing.render import draw
-
-        return draw(self, path, level=level, renderer=renderer)
+        return draw_partition(self, path, level=level, renderer=renderer)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

@@ -15,7 +15,7 @@ by the FLOP/s ratio when the stage runs on another device).
 
 Memory of a stage: trainable parameters x (1 + 1 gradient + ``OPTIMIZER_STATES``) plus
 buffers, and one micro-batch's activations times the micro-batches the schedule keeps in
-flight there (``fxpipe.estimates``).
+flight there (``fxpipe.planner.estimates``).
 
 Defaults (``default_spec``) are deterministic, so every rank of a distributed run makes
 the same plan: "cpu" is ``CPU_FLOPS_PER_CORE`` x the cores (at most 16), 80% of physical

@@ -5,8 +5,8 @@ Each stage may keep every activation (False), recompute its forward in backward 
 keep only its costly ops' outputs and recompute the rest ("selective"), or, on a CUDA
 stage, keep every activation in host memory until its backward (offload). What one
 micro-batch then keeps on the stage comes from its memory profile (a fake run of the
-stage, ``fxpipe.memory_profile``), how many it keeps at once from the schedule
-(``fxpipe.memory_model``), and what it costs from the cost model (the forward again, the
+stage, ``fxpipe.compiler.memory_profile``), how many it keeps at once from the schedule
+(``fxpipe.planner.memory_model``), and what it costs from the cost model (the forward again, the
 cheap ops again, or the transfers the stage's compute does not hide).
 
 A device needs the state of its stages (parameters, gradients, optimizer state, buffers)
@@ -25,13 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxpipe import format as fmt
-from fxpipe.cost_model import spec_for
-from fxpipe.estimates import StageChoices
-from fxpipe.memory_model import MicrobatchMemory, activation_peaks, describe_choice
-from fxpipe.memory_profile import microbatch_inputs
-from fxpipe.microbatch import batch_size
+from fxpipe.batching.microbatch import batch_size, microbatch_inputs
+from fxpipe.inspection import format as fmt
 from fxpipe.plan import Plan, PlanError
+from fxpipe.planner.cost_model import spec_for
+from fxpipe.planner.estimates import StageChoices
+from fxpipe.planner.memory_model import MicrobatchMemory, activation_peaks, describe_choice
 from fxpipe.schedules import stage_workers
 
 # a stage's choice: (recompute, offload), cheapest first

@@ -2,7 +2,7 @@
 pure-Python renderer (a layered layout drawn with matplotlib), so ``draw`` always works.
 
 ``make install`` installs Graphviz where apt-get can; the fallback draws the same
-:class:`~fxpipe.drawing.diagram.Diagram` (stage clusters, labelled cut edges) with straight and curved
+:class:`~fxpipe.inspection.diagram.Diagram` (stage clusters, labelled cut edges) with straight and curved
 arrows instead of Graphviz's spline routing. matplotlib loads only when a picture is asked for.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fxpipe.drawing.diagram import CUT_COLOUR, LINK_COLOUR, Box, Diagram, Link, partition_diagram
+from fxpipe.inspection.diagram import CUT_COLOUR, LINK_COLOUR, Box, Diagram, Link, partition_diagram
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
+    from fxpipe.compiler.partitioned import Partitioned
 
 RENDERERS = ("auto", "graphviz", "matplotlib")
 SOURCE_SUFFIXES = (".dot", ".gv")
@@ -43,7 +43,7 @@ def draw(part: Partitioned, path: str | Path, level: str = "auto", renderer: str
     """Draws the partition of ``part`` and writes it to ``path``; returns the path.
 
     The format follows the extension: ``.svg``, ``.png``, ``.pdf`` (a picture) or ``.dot`` /
-    ``.gv`` (the DOT source). ``level`` is "node", "stage" or "auto" (see ``fxpipe.drawing.diagram``).
+    ``.gv`` (the DOT source). ``level`` is "node", "stage" or "auto" (see ``fxpipe.inspection.diagram``).
     ``renderer`` "auto" uses Graphviz when ``dot`` is installed and matplotlib otherwise.
 
     Raises:

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fxpipe import format as fmt
+from fxpipe.inspection import format as fmt
 from fxpipe.schedules import OPS as WORK_OPS  # a worker's own work: the actions' ops
 
 if TYPE_CHECKING:
-    from fxpipe.timeline import Event, Timeline
+    from fxpipe.inspection.timeline import Event, Timeline
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str | None = None) -> None:

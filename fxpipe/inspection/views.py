@@ -12,6 +12,8 @@ from pathlib import Path
 
 from torch import nn
 
+from fxpipe.inspection.timeline import Timeline
+
 
 class PipelineViews:
     """Inspection and module-like conveniences shared by the pipelines."""
@@ -51,8 +53,6 @@ class PipelineViews:
 
     def timeline(self):
         """Measured Timeline of the last call or step, every worker of this process."""
-        from fxpipe.timeline import Timeline
-
         if not self._last_events:
             raise RuntimeError("no step has run yet: call pipe.step(...) or pipe(...) first")
         return Timeline(self._last_events, num_workers=self.num_workers, kind="measured", deps=self.part.deps)

@@ -1,7 +1,7 @@
 """What the eager model returns, asked on fake tensors: which outputs follow the batch,
 and one call's output shapes.
 
-The pipelines merge micro-batches' outputs by what they are (``fxpipe.microbatch.merge``):
+The pipelines merge micro-batches' outputs by what they are (``fxpipe.batching.microbatch.merge``):
 an output whose dim 0 follows the input batch is concatenated, any other is merged as
 ``Plan.output_merge`` says. This module answers the question once per input structure,
 with the compiler's fake eager run (``fxpipe.passes.generalise.eager_on_fake``). A step of
@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.microbatch import batch_size, leaves_with_paths, path_of
+from fxpipe.batching.microbatch import batch_size, leaves_with_paths, path_of
 from fxpipe.passes.generalise import eager_on_fake
 
 
@@ -32,7 +32,7 @@ def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any
     input at the example's batch size N and at 2N: nothing is computed, and the model, its
     buffers and the random generators are left as they were. An output is batched when its
     dim 0 is k × the batch for one k ≥ 1 at both sizes (k > 1: rows of batch × sequence
-    flattened). Returns {path: batched} for every tensor output (paths as ``fxpipe.microbatch``
+    flattened). Returns {path: batched} for every tensor output (paths as ``fxpipe.batching.microbatch``
     names them). When ``forward`` cannot run on fake tensors, warns and returns {}: then
     every tensor output merged over several micro-batches needs its ``output_merge`` entry.
     """

@@ -21,9 +21,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from fxpipe import format as fmt
-from fxpipe.cost_model import OPTIMIZER_STATES, Calibration, DeviceModel, stage_models, state_bytes
-from fxpipe.estimates import in_flight, measured_device, play
+from fxpipe.inspection import format as fmt
 from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.meta import BLOCK, COMPUTE_OPS, MEASURED, VAL
 from fxpipe.passes.node_costs import cost_of
@@ -36,6 +34,14 @@ from fxpipe.passes.split_solver import (
     solve,
 )
 from fxpipe.plan import Plan, PlanError, PlanScheduleError
+from fxpipe.planner.cost_model import (
+    OPTIMIZER_STATES,
+    Calibration,
+    DeviceModel,
+    stage_models,
+    state_bytes,
+)
+from fxpipe.planner.estimates import in_flight, measured_device, play
 from fxpipe.schedules import Schedule, describe_schedule, stage_workers
 
 # the exact min-max split gives way to the schedule-refined one only when the simulated

@@ -48,15 +48,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.cost_model import Calibration, DeviceModel, MeasuredTime, calibrate
+from fxpipe.batching.microbatch import split
 from fxpipe.devices import check_available, normalize_device, torch_device
-from fxpipe.microbatch import split
 from fxpipe.passes.meta import COMPUTE_OPS, MEASURED
 from fxpipe.passes.node_costs import annotate_costs, cost_of
 from fxpipe.passes.shape_prop import propagate_shapes
 from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import trace
 from fxpipe.plan import Plan
+from fxpipe.planner.cost_model import Calibration, DeviceModel, MeasuredTime, calibrate
 
 
 @dataclass

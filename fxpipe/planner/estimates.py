@@ -2,14 +2,14 @@
 
 Reads the costs the compiler wrote on the partitioned graph (``node.meta["cost"]``, and
 ``node.meta["measured_time"]`` where ``fxpipe.profile`` timed a node) and the device model
-(``fxpipe.cost_model``); writes nothing. Per stage: forward, input-gradient (I) and
+(``fxpipe.planner.cost_model``); writes nothing. Per stage: forward, input-gradient (I) and
 weight-gradient (W) seconds per micro-batch, the seconds a recompute (or an offload's
 unhidden transfers) adds to the backward, send/recv seconds, and memory: state plus the
-activation peak, from the stages' memory profile (``fxpipe.memory_profile``) walked
-through the schedule (``fxpipe.memory_model``) when given one, else one micro-batch's
+activation peak, from the stages' memory profile (``fxpipe.compiler.memory_profile``) walked
+through the schedule (``fxpipe.planner.memory_model``) when given one, else one micro-batch's
 output bytes times the micro-batches the schedule holds in flight there (the node model
 ``split="auto"`` cuts with). The predicted timeline plays the plan's schedule with these
-times on ``fxpipe.schedule_sim``'s ideal clock. The schedule comes from the caller
+times on ``fxpipe.planner.schedule_sim``'s ideal clock. The schedule comes from the caller
 (``Partitioned.actions``, or the plan's for ``split="auto"``): this module resolves none.
 """
 
@@ -20,15 +20,21 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fxpipe.cost_model import Calibration, DeviceModel, stage_models, state_bytes, transfer_seconds
-from fxpipe.memory_model import MicrobatchMemory, activation_peaks
+from fxpipe.inspection.timeline import Timeline
 from fxpipe.passes.meta import EDGE, MEASURED, STAGE
 from fxpipe.passes.node_costs import cost_of
 from fxpipe.passes.partition import Edge
 from fxpipe.plan import Plan, is_recompute
-from fxpipe.schedule_sim import simulate
+from fxpipe.planner.cost_model import (
+    Calibration,
+    DeviceModel,
+    stage_models,
+    state_bytes,
+    transfer_seconds,
+)
+from fxpipe.planner.memory_model import MicrobatchMemory, activation_peaks
+from fxpipe.planner.schedule_sim import simulate
 from fxpipe.schedules import Action, Schedule
-from fxpipe.timeline import Timeline
 
 # node kinds whose outputs selective recompute keeps (the rest it runs again)
 COSTLY_KINDS = ("matmul", "conv")
@@ -38,7 +44,7 @@ COSTLY_KINDS = ("matmul", "conv")
 class StageChoices:
     """What each stage keeps for backward: ``recompute`` (False, True or "selective") and
     ``offload`` per stage; ``profile``: what one micro-batch then keeps on each stage
-    (``fxpipe.memory_profile``), or None when not profiled."""
+    (``fxpipe.compiler.memory_profile``), or None when not profiled."""
 
     recompute: Sequence[bool | str]
     offload: Sequence[bool]

@@ -1,6 +1,6 @@
 """The partition as a diagram: one cluster per stage, cut edges labelled; DOT text for it.
 
-Two views of a :class:`~fxpipe.partitioned.Partitioned`:
+Two views of a :class:`~fxpipe.compiler.partitioned.Partitioned`:
 
 ``"node"``   every fx node (parameters aside) inside its stage's cluster, labelled with
              its name, what it calls, its module path and its output shape; each cut edge
@@ -15,7 +15,7 @@ Two views of a :class:`~fxpipe.partitioned.Partitioned`:
 
 ``"auto"`` picks the stage view above ``NODE_VIEW_LIMIT`` nodes. A view is first built
 as a :class:`Diagram` (plain data), which ``Diagram.to_dot`` turns into Graphviz text and
-``fxpipe.drawing.render`` renders, with Graphviz or its own matplotlib fallback.
+``fxpipe.inspection.render`` renders, with Graphviz or its own matplotlib fallback.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from fxpipe import format as fmt
-from fxpipe.contents import crossing_values
+from fxpipe.inspection import format as fmt
+from fxpipe.inspection.contents import crossing_values
 from fxpipe.passes.meta import EDGE, MODULE_PATH, STAGE, VAL
 from fxpipe.passes.partition import fxpipe_recv, fxpipe_send
 from fxpipe.passes.shape_prop import describe
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
-    from fxpipe.stage import Stage
+    from fxpipe.compiler.partitioned import Partitioned
+    from fxpipe.compiler.stage import Stage
 
 LEVELS = ("auto", "node", "stage")
 NODE_VIEW_LIMIT = 400

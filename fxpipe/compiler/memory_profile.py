@@ -29,24 +29,16 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe import microbatch
+from fxpipe.batching import microbatch
 from fxpipe.devices import torch_device
-from fxpipe.memory_model import MicrobatchMemory
-from fxpipe.placement import copy_stage_module
+from fxpipe.planner.memory_model import MicrobatchMemory
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.memory import StageMemory, StepMemory
 from fxpipe.runtime.offload import Offload
+from fxpipe.runtime.placement import copy_stage_module
 from fxpipe.runtime.runner import StageRunner, make_runner
 
 Recompute = bool | str  # False, True or "selective"
-
-
-def microbatch_inputs(part: Any, microbatches: int) -> tuple[list, int]:
-    """The flat model inputs of the first micro-batch of ``part``'s example batch cut into
-    ``microbatches``, and its size."""
-    flat = part.bind_inputs(part.example_inputs, part.example_kwargs)
-    inputs, _, sizes = microbatch.split_step(flat, None, min(microbatches, microbatch.batch_size(flat) or 1))
-    return inputs[0], sizes[0]
 
 
 def profile(
@@ -59,7 +51,7 @@ def profile(
     Raises RuntimeError naming the stage when a stage cannot run on fake tensors.
     """
     if inputs is None:
-        inputs, _ = microbatch_inputs(part, microbatches)
+        inputs, _ = microbatch.microbatch_inputs(part, microbatches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         runners = [_fake_runner(part, s, mode, recompute[s], offload[s]) for s in range(part.num_stages)]

@@ -13,7 +13,7 @@ each entry one micro-batch's arguments, of any sizes. :func:`listed_calls` check
 the entries agree on everything but sizes (:func:`argument_structure`).
 
 Outputs are put back together by what they are, decided at compile time: an output
-whose dim 0 follows the input batch (``fxpipe.batched_outputs``) is concatenated; any
+whose dim 0 follows the input batch (``fxpipe.batching.batched_outputs``) is concatenated; any
 other tensor output (a 0-d auxiliary loss, per-layer statistics) is merged only as
 ``Plan(output_merge={path: "cat" | "stack" | "sum" | "mean"})`` says. An output's
 *path* names it inside the model's return value: tuple or list indices, dict keys and
@@ -470,3 +470,11 @@ def _loss_hint(loss_fn: Any, out: Any, err: BaseException) -> str:
         f"loss_fn ({name}) got the model's output, a {describe(out)}, and failed "
         f"({type(err).__name__}: {cause[0] if cause else ''}); give it the part it scores, e.g. {fix}"
     )
+
+
+def microbatch_inputs(part: Any, microbatches: int) -> tuple[list, int]:
+    """The flat model inputs of the first micro-batch of ``part``'s example batch cut into
+    ``microbatches``, and its size."""
+    flat = part.bind_inputs(part.example_inputs, part.example_kwargs)
+    inputs, _, sizes = split_step(flat, None, min(microbatches, batch_size(flat) or 1))
+    return inputs[0], sizes[0]

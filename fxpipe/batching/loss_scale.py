@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fxpipe import microbatch
+from fxpipe.batching import microbatch
 
 aten = torch.ops.aten
 _ENUM = {0: None, 1: "mean", 2: "sum"}  # at::Reduction

@@ -19,13 +19,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpipe import microbatch
-from fxpipe.auto_split import auto_split
-from fxpipe.collector import collector_paused
-from fxpipe.cost_model import Calibration
-from fxpipe.loss_scale import model_losses
-from fxpipe.memory_plan import memory_choices, plan_memory
-from fxpipe.partitioned import Partitioned
+from fxpipe.batching import microbatch
+from fxpipe.batching.loss_scale import model_losses
+from fxpipe.compiler.collector import collector_paused
+from fxpipe.compiler.partitioned import Partitioned
+from fxpipe.compiler.progress import Progress
+from fxpipe.compiler.stage import Stage
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
@@ -41,10 +40,11 @@ from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import quiet_attempt, trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
-from fxpipe.profile import Profile
-from fxpipe.progress import Progress
+from fxpipe.planner.auto_split import auto_split
+from fxpipe.planner.cost_model import Calibration
+from fxpipe.planner.memory_plan import memory_choices, plan_memory
+from fxpipe.planner.profile import Profile
 from fxpipe.schedules import stage_workers
-from fxpipe.stage import Stage
 
 
 class CompileError(ValueError):
@@ -85,8 +85,8 @@ def partition(
     estimated node times by measured ones. Returns a :class:`Partitioned`. Raises TraceError when the
     model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
     honoured (the message names the field, node or module at fault). A compile longer
-    than 2 s reports its progress on one line of stderr (``fxpipe.progress``); Python's
-    garbage collector is paused while it runs (``fxpipe.collector``).
+    than 2 s reports its progress on one line of stderr (``fxpipe.compiler.progress``); Python's
+    garbage collector is paused while it runs (``fxpipe.compiler.collector``).
     """
     with collector_paused(), Progress(type(model).__name__) as progress:
         return _partition(model, plan, example_inputs, example_kwargs, profile, progress)
@@ -180,7 +180,7 @@ def partition_like(
     """The partition of another call signature of ``first``'s model: traced again for
     ``model(*args, **kwargs)``, cut at the same stage boundaries, on the same devices.
 
-    ``model`` is a skeleton of the model (``fxpipe.placement.skeleton``: code and
+    ``model`` is a skeleton of the model (``fxpipe.runtime.placement.skeleton``: code and
     structure, no memory); it is traced on fake tensors placed where the real ones are.
     ``roots_for(s)`` lists the modules stage ``s``'s targets are looked up in, by
     qualified name (the placed stage modules of its device, so every signature's stages

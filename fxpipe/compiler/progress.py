@@ -18,7 +18,7 @@ import threading
 import time
 from typing import TextIO
 
-from fxpipe import format as fmt
+from fxpipe.inspection import format as fmt
 
 QUIET_BELOW = 2.0  # seconds: a compile shorter than this prints nothing
 

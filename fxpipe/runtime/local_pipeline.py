@@ -1,6 +1,6 @@
 """``Pipeline``: a compiled model whose stages sit on this machine's devices.
 
-Stage modules are placed as copies (see :mod:`fxpipe.placement`); a
+Stage modules are placed as copies (see :mod:`fxpipe.runtime.placement`); a
 :class:`~fxpipe.runtime.local.LocalExecutor` runs them on the plan's schedule, one thread
 per pipeline worker. A call with another input signature (another sequence length under
 torch.export, another None pattern) is traced and cut again once, at the same stage
@@ -17,16 +17,16 @@ import torch
 from torch import nn
 
 from fxpipe.devices import torch_device
-from fxpipe.placement import place
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program
+from fxpipe.runtime.placement import place
 from fxpipe.runtime.runner import make_runner
 from fxpipe.schedules import describe_schedule
 
 if TYPE_CHECKING:
-    from fxpipe.partitioned import Partitioned
+    from fxpipe.compiler.partitioned import Partitioned
 
 
 class Pipeline(PipelineBase):

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fxpipe import format as fmt
+from fxpipe.inspection import format as fmt
+from fxpipe.inspection.gantt import plot_timelines
 from fxpipe.schedules import OPS
 
 KINDS = ("predicted", "measured")
@@ -286,8 +287,6 @@ class Timeline:
         Raises:
             ImportError: if matplotlib is not installed (``pip install fxpipe[plot]``).
         """
-        from fxpipe.drawing.gantt import plot_timelines
-
         plot_timelines([self] if other is None else [self, other], path, title)
 
     def title(self) -> str:
