@@ -195,10 +195,10 @@ class PipeTracer(fx.Tracer):
         self._inputs = {p.node: example for p, example in zip(placeholders, call.examples)}
         self._given = {p.node: value for p, value in zip(placeholders, call.given) if real(value)}
         resolve = resolver(self.root)
-        self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__)
+        self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__, real_inputs=call.replayed_as_given)
         if call.batch_of_one is not None:
             shadow = {p.node: example for p, example in zip(placeholders, call.batch_of_one)}
-            self._shadow = GrowingReplay(self.graph, resolve, shadow.__getitem__)
+            self._shadow = GrowingReplay(self.graph, resolve, shadow.__getitem__, real_inputs=False)
 
         def root_call(root: nn.Module, *values: Any) -> Any:
             args, kwargs = call.rebuild(values)
