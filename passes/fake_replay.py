@@ -178,18 +178,19 @@ class FakeReplay:
 
     def run(
         self,
-        gm: fx.GraphModule,
+        gm: fx.GraphModule | fx.Graph,
         inputs: Sequence[Any],
         resolve: Callable[[str], Any] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> Any:
-        """Run ``gm``'s graph on fakes of ``inputs`` (one value per placeholder; real or fake
-        tensors); returns the output's value. ``resolve(target)`` fetches a module or tensor
-        by qualified name (default: ``gm``'s attributes); ``progress(done, total)`` is called
+        """Run ``gm``'s graph (or the graph ``gm``) on fakes of ``inputs`` (one value per
+        placeholder; real or fake tensors); returns the output's value. ``resolve(target)``
+        fetches a module or tensor by qualified name (default: ``gm``'s attributes; needed
+        for a bare graph); ``progress(done, total)`` is called
         every 64 nodes. Raises what a node raises on fake tensors, with a note naming it.
         """
         resolve = resolve or resolver(gm)
-        nodes = list(gm.graph.nodes)
+        nodes = list(gm.nodes if isinstance(gm, fx.Graph) else gm.graph.nodes)
         pending = iter(inputs)
         output = None
         for k, node in enumerate(nodes):

@@ -15,6 +15,7 @@ OPAQUE_DRAWS = "opaque_draws"  # bool on such a call: whether it drew random num
 BLOCK = "block"  # str: the module path of the repeated block (a layer traced once, stamped for the others) the node is in
 # written by shape propagation
 VAL = "val"  # the node's value on fake tensors (shape, dtype, requires_grad)
+REAL_RUN = "real_run"  # str on a node that could not run on fake tensors and ran for real at compile time: why
 # written by the annotate pass
 STAGE = "stage"  # int, 0-based, non-decreasing along every edge
 REASON = "stage_reason"  # why the node is in its stage, for explain()

@@ -383,10 +383,13 @@ def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: 
             mode = "cat"
         elif len(values) > 1:
             known = "does not follow the batch" if path in batched else "was not known at compile time to follow the batch"
+            fit = "cat" if _rows_follow(values, sizes) else "mean"
+            others = ", ".join(repr(m) for m in ("cat", "stack", "sum", "mean") if m != fit)
             raise MicrobatchError(
                 f"{_label(path)} is a tensor of shape {tuple(first.shape)} whose dim 0 {known}, so fxpipe will not "
                 f"concatenate it over the {len(values)} micro-batches; say how to merge it: "
-                f"Plan(output_merge={{{path!r}: 'mean'}}) (or 'cat', 'stack', 'sum'; 'mean' weights micro-batches by size)"
+                f"Plan(output_merge={{{path!r}: {fit!r}}}) (or {others}; 'cat' joins rows that follow the micro-batches, "
+                "'mean' weights micro-batches by size)"
             )
     if mode is None:
         return first if all(_same(first, other) for other in values[1:]) else list(values)
@@ -402,6 +405,15 @@ def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: 
     if sizes is None:
         raise ValueError("merge: 'mean' needs the micro-batch sizes")
     return torch.stack([v * n for v, n in zip(values, sizes)]).sum(0) / sum(sizes)
+
+
+def _rows_follow(values: list[torch.Tensor], sizes: list[int] | None) -> bool:
+    """Whether every micro-batch's value has as many rows as its micro-batch has samples
+    (or a fixed multiple of them): a batch dim, which ``'cat'`` merges."""
+    if sizes is None or any(v.dim() == 0 for v in values) or any(n == 0 for n in sizes):
+        return False
+    ratios = {v.shape[0] / n for v, n in zip(values, sizes)}
+    return len(ratios) == 1 and next(iter(ratios)).is_integer() and next(iter(ratios)) >= 1
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -35,7 +35,7 @@ from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
-from fxpipe.passes.shape_prop import propagate_shapes, record_values
+from fxpipe.passes.shape_prop import propagate_shapes, real_runs, record_values
 from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import quiet_attempt, trace
 from fxpipe.passes.weight_grad import defer_weight_gradients
@@ -338,7 +338,7 @@ def _cut(
         example_inputs, example_kwargs, list(traced.notes), workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
         model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
-        opaque=list(traced.opaque),
+        opaque=list(traced.opaque), real_runs=real_runs(gm.graph),
     )
 
 

@@ -41,8 +41,8 @@ class Compiler:
 
     retrace(first, model, args, kwargs, roots_for): the Partitioned of another input
     signature, cut like ``first`` (``fxpipe.compiler.driver.partition_like``; roots_for(s): the
-    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs):
-    which tensor outputs follow the batch, asked on fake tensors
+    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs, part):
+    which tensor outputs follow the batch, from the call's program ``part`` replayed on fake tensors
     (``fxpipe.batching.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
     output_like(model, args, kwargs): the model's output for a call as meta tensors, from
@@ -51,7 +51,7 @@ class Compiler:
     """
 
     retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
-    batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
+    batched_outputs: Callable[[nn.Module, tuple, dict, Any], dict[str, bool]]
     fake_replay: Callable[[], Any]
     output_like: Callable[[nn.Module, tuple, dict], Any]
 
@@ -500,7 +500,7 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
-            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs)
+            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs, batch.program.part)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
