@@ -306,13 +306,14 @@ class PipelineBase(PipelineViews):
         state = {index: held_state(module) for index, module in modules.items()}
         return memory_report(part, sizes, step, state, describe_schedule(self.plan.schedule), inputs)
 
-    def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any) -> Batch:
-        """This process's micro-batches of a call: the batch cut (:meth:`_split`), or the
+    def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any, forward_only: bool = False) -> Batch:
+        """This process's micro-batches of a call: the batch cut (:meth:`_split`; a forward
+        of a batch smaller than ``Plan.microbatches`` runs one micro-batch per sample), or the
         caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is given."""
         if microbatches is None:
             if targets is not None:
                 raise MicrobatchError("targets=[...] goes with microbatches=[...]; a batch's target is passed as target=")
-            return self._split(args, kwargs, target)
+            return self._split(args, kwargs, target, self._forward_count(args, kwargs) if forward_only else self.plan.microbatches)
         if args or kwargs or target is not None:
             raise MicrobatchError(
                 "pass either one batch's arguments (cut into Plan.microbatches micro-batches) or microbatches=[...], not "
@@ -320,11 +321,19 @@ class PipelineBase(PipelineViews):
             )
         return self._listed(microbatches, targets)
 
-    def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
+    def _forward_count(self, args: tuple, kwargs: dict) -> int:
+        """How many micro-batches a forward of this call runs: ``Plan.microbatches``, or as
+        many as each replica has samples when that is fewer (eval at batch 1)."""
+        n = microbatch.batch_size((args, kwargs))
+        if n is None or n >= self.plan.microbatches * self.replicas:
+            return self.plan.microbatches
+        return max(1, n // self.replicas)
+
+    def _split(self, args: tuple, kwargs: dict, target: Any, m: int) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism),
-        with the compiled stages of the call's signature; ``Batch.step`` holds every
-        replica's micro-batches (for the step's loss counts)."""
-        microbatch.check_cuttable((args, kwargs), self.plan.microbatches * self.replicas)
+        cut into ``m`` per replica, with the compiled stages of the call's signature;
+        ``Batch.step`` holds every replica's micro-batches (for the step's loss counts)."""
+        microbatch.check_cuttable((args, kwargs), m * self.replicas)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
@@ -332,7 +341,7 @@ class PipelineBase(PipelineViews):
         if self.replicas > 1:
             pieces, targets, _ = microbatch.split_step(flat, target, self.replicas)
             shards = list(zip(pieces, targets))
-        cuts = [microbatch.split_step(f, t, self.plan.microbatches) for f, t in shards]
+        cuts = [microbatch.split_step(f, t, m) for f, t in shards]
         inputs, targets, sizes = cuts[self.replica]
         first = self.replica * len(inputs)
         batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
@@ -363,7 +372,7 @@ class PipelineBase(PipelineViews):
         grad mode is on, so ``pipe(x).sum().backward()`` works too (not pipelined; use
         ``step`` for a scheduled backward).
         """
-        batch = self._batch(args, kwargs, None, microbatches, None)
+        batch = self._batch(args, kwargs, None, microbatches, None, forward_only=True)
         ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
         self._execute(batch, ctx)
         return self._output(batch, ctx)
