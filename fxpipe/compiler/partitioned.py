@@ -56,7 +56,9 @@ class Partitioned:
     opaque: the callees the fx frontend runs whole (``fxpipe.passes.opaque.OpaqueCallee``:
     name, why, where fx stopped), listed by summary() and explain(); real_runs: the nodes
     that could not run on fake tensors and ran for real at compile time
-    (``fxpipe.passes.shape_prop.RealRun``: node, module, target, why), listed there too.
+    (``fxpipe.passes.shape_prop.RealRun``: node, module, target, why), listed there too;
+    loss_terms: the names of the terms a model's own loss adds beside its reduced loss
+    calls, computed from its inputs (a router's ``aux_loss``): computed per micro-batch.
     """
 
     plan: Plan
@@ -78,6 +80,7 @@ class Partitioned:
     output_inputs: list[frozenset[int]] | None = None
     opaque: list[Any] = field(default_factory=list)
     real_runs: list[Any] = field(default_factory=list)
+    loss_terms: list[str] = field(default_factory=list)
     # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
     profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)

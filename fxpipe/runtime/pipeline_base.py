@@ -404,6 +404,8 @@ class PipelineBase(PipelineViews):
         """
         loss_fn = loss_fn or self.loss_fn
         batch = self._batch(args, kwargs, target, microbatches, targets)
+        if loss_fn is None:
+            self._warn_per_microbatch_terms(batch)
         counts = self._step_counts(loss_fn, batch) if self._holds_last() else None
         loss_of = self._loss_function(loss_fn, batch, counts)
         wanted = batch.input_gradient_leaves()
@@ -485,6 +487,23 @@ class PipelineBase(PipelineViews):
     def _over_replicas(self, total: int, counts: loss_scale.StepCounts | None) -> tuple[int, loss_scale.StepCounts | None]:
         """The step's samples and counts from this replica's (one process: its own)."""
         return total, counts
+
+    def _warn_per_microbatch_terms(self, batch: Batch) -> None:
+        """Warn once when the model's own loss adds terms computed per micro-batch (a MoE
+        router's load balancing): they are not the full batch's (docs/training-loop.md)."""
+        terms = sorted({t for p in batch.programs for t in p.part.loss_terms})
+        if not terms or len(batch.inputs) * self.replicas < 2 or getattr(self, "_terms_warned", False):
+            return
+        self._terms_warned = True
+        names = ", ".join(repr(t) for t in terms)
+        warnings.warn(
+            f"fxpipe: {type(self._model).__name__}'s own loss adds {names} beside its token-mean loss; that term is "
+            "computed per micro-batch, over the micro-batch's own statistics, and weighted by the micro-batch's share "
+            "of the samples: a term that is not a mean over tokens or samples (MoE load balancing) does not add up to "
+            "its full-batch value, so the step's loss and gradients equal eager's accumulated over the same "
+            "micro-batches, not one full-batch step. See docs/training-loop.md, 'Loss terms computed per micro-batch'",
+            stacklevel=3,
+        )
 
     def _warn_normalisation(self, err: BaseException) -> None:
         if not getattr(self, "_normalisation_warned", False):
