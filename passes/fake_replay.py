@@ -431,11 +431,8 @@ class FakeReplay:
         stand_ins = pytree.tree_map_only(torch.Tensor, _stand_in, (tuple(args), dict(kwargs)))
         if (len(node.args), tuple(node.kwargs)) != (len(args), tuple(kwargs)):
             return stand_ins
-        real = fx.map_arg((tuple(node.args), dict(node.kwargs)), self._real_value)
-        try:
-            return pytree.tree_map(_real_or_stand_in, real, stand_ins, is_leaf=lambda x: x is None)
-        except (ValueError, TypeError):  # a structure the stand-ins do not share: stand-ins only
-            return stand_ins
+        real = (fx.map_arg(tuple(node.args), self._real_value), fx.map_arg(dict(node.kwargs), self._real_value))
+        return _real_or_stand_in(real, stand_ins)
 
     def _real_value(self, node: fx.Node) -> Any:
         """``node``'s value on the example, computed for real when it comes from the
@@ -612,7 +609,16 @@ def _real_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _real_or_stand_in(real: Any, stand_in: Any) -> Any:
-    return _real_copy(real) if isinstance(real, torch.Tensor) else stand_in
+    """``stand_in`` with a copy of each real tensor that ``real`` (the same structure, None
+    where unknown) holds in its place."""
+    if isinstance(real, torch.Tensor) and isinstance(stand_in, torch.Tensor):
+        return _real_copy(real)
+    if isinstance(real, list | tuple) and isinstance(stand_in, list | tuple) and len(real) == len(stand_in):
+        merged = [_real_or_stand_in(r, s) for r, s in zip(real, stand_in)]
+        return tuple(merged) if isinstance(stand_in, tuple) else merged
+    if isinstance(real, dict) and isinstance(stand_in, dict) and real.keys() == stand_in.keys():
+        return {k: _real_or_stand_in(real[k], v) for k, v in stand_in.items()}
+    return stand_in
 
 
 def _meta_rule(err: Exception) -> str:
