@@ -15,6 +15,7 @@ output as meta tensors (:func:`output_like`). The pipelines get both handed in b
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -81,10 +82,11 @@ def graph_batched_outputs(part: Any, args: tuple, kwargs: Mapping[str, Any]) -> 
     flat = part.bind_inputs(tuple(args), dict(kwargs))
     n = batch_size((args, kwargs))
     tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
-    resolve = resolver(*(stage.module for stage in part.stages))
+    modules = [stage.module for stage in part.stages]
+    resolve = resolver(*modules)
     rows = []
     for size in (n, 2 * n):
-        fake_run = FakeReplay(real_inputs=size == n)
+        fake_run = FakeReplay(_device_for_skeletons(modules), real_inputs=size == n)
         inputs = [_resized(x, n, size) if any(x is t for t in tensors) else x for x in flat]
         with torch.no_grad():
             out = part.build_output(fake_run.run(part.graph, inputs, resolve))
@@ -98,6 +100,16 @@ def graph_batched_outputs(part: Any, args: tuple, kwargs: Mapping[str, Any]) -> 
         path: rows_n is not None and rows_n > 0 and rows_n % n == 0 and second.get(path) == 2 * rows_n
         for path, rows_n in first.items()
     }
+
+
+def _device_for_skeletons(modules: list[nn.Module]) -> torch.device | None:
+    """None when every stage holds real tensors; else (a rank holding only its own stages,
+    the others on the meta device) the device of the real ones, or the CPU: a graph that
+    reads ``x.device`` would otherwise see ``meta``."""
+    tensors = [t for m in modules for t in itertools.chain(m.parameters(), m.buffers())]
+    if not any(t.is_meta for t in tensors):
+        return None
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
 def _resized(t: torch.Tensor, n: int, size: int) -> torch.Tensor:
