@@ -97,7 +97,7 @@ def trace(
         raise SignatureError(f"example inputs do not match {owner}.forward{signature}: {err}") from None
     notes: list[str] = []
     concrete_args = dict(concrete_args or {})
-    for name, value in inference_only_defaults(signature, bound, concrete_args).items():
+    for name, value in inference_only_defaults(model, signature, bound, concrete_args).items():
         concrete_args[name] = value
         notes.append(f"{name} left out: traced with {name}={value!r} (an inference-only option; a pipeline's call returns no generation cache)")
     # an argument the example leaves out stays an input (fx needs no value for it); the
@@ -141,13 +141,18 @@ def trace(
 INFERENCE_ONLY = {"use_cache": False}
 
 
-def inference_only_defaults(signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: Mapping[str, Any]) -> dict[str, Any]:
-    """The inference-only arguments (:data:`INFERENCE_ONLY`) that ``forward`` takes and
-    the call leaves out (neither passed nor in ``concrete_args``), with the value fx traces
-    them at. Read before the call's defaults are applied."""
+def inference_only_defaults(
+    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The inference-only arguments (:data:`INFERENCE_ONLY`) that ``forward`` takes, the
+    call leaves out (neither passed nor in ``concrete_args``) and the model's ``config``
+    does not already set to that value, with the value fx traces them at. Read before the
+    call's defaults are applied."""
+    config = getattr(model, "config", None)
     return {
         name: value
         for name, value in INFERENCE_ONLY.items()
         if name in signature.parameters and name not in bound.arguments and name not in concrete_args
+        and getattr(config, name, None) != value
     }
 

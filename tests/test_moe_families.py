@@ -305,3 +305,29 @@ def test_moe_family_under_torchrun_trains_with_adamw_and_clipping_like_eager(nam
     for got, expected in zip(ranks[1]["logits"], ref["logits"]):  # the last stage's rank
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert ranks[0]["logits"] == [None, None]
+
+
+# ------------------------------------------------------------------ peers' regressions
+class Singleton(nn.Module):
+    """torchgpipe's test_input_singleton: a 1-tuple in, a 1-tuple out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, only_a: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        (a,) = only_a
+        return (self.fc(a),)
+
+
+def test_a_one_tuple_input_is_its_tensor_not_the_tuple() -> None:
+    model = nn.Sequential(Singleton(), Singleton())
+    a = torch.rand(4, 1, requires_grad=True)
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["1"], devices=["cpu", "cpu"], microbatches=2), example_inputs=((a,),))
+    (out,) = pipe((a,))
+    assert torch.allclose(out, model((a,))[0])
+    pipe.step((a,), target=None, loss_fn=lambda o, t: o[0].mean())
+    pipe_grad = a.grad.clone()
+    a.grad = None
+    model((a,))[0].mean().backward()
+    assert torch.allclose(pipe_grad, a.grad)
