@@ -331,3 +331,20 @@ def test_a_one_tuple_input_is_its_tensor_not_the_tuple() -> None:
     a.grad = None
     model((a,))[0].mean().backward()
     assert torch.allclose(pipe_grad, a.grad)
+
+
+def test_pipe_call_merges_the_models_own_loss_by_its_token_counts() -> None:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = token_batch(8, 10)
+    mask = torch.ones_like(ids)
+    for row in range(8):
+        mask[row, 10 - row % 4 :] = 0  # micro-batches count different numbers of tokens
+    labels = ids.masked_fill(mask == 0, -100)
+    call = dict(attention_mask=mask, labels=labels)
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["transformer.h.1"], **PLAN), example_inputs=(ids,), example_kwargs=call)
+    out, eager = pipe(ids, **call), model(ids, **call)
+    assert torch.allclose(out.loss, eager.loss, rtol=1e-6, atol=0)
+    by_samples = torch.stack([model(i, attention_mask=m, labels=t).loss for i, m, t in zip(ids.split(2), mask.split(2), labels.split(2))]).mean()
+    assert not torch.allclose(by_samples, eager.loss, rtol=1e-4, atol=0)  # the shares of samples would be off

@@ -339,8 +339,12 @@ def merge(
     batched: Mapping[str, bool] | None = None,
     output_merge: Mapping[str, str] | None = None,
     once: frozenset[str] = frozenset(),
+    own_loss: list[float] | None = None,
 ) -> Any:
     """Put micro-batch outputs (of the model's structure) back together.
+
+    own_loss: the weights of each micro-batch's ``loss`` output (a model's own scalar loss)
+    in the step's loss (its token counts' shares): that output is merged as their weighted sum.
 
     sizes: the micro-batch sizes ("mean" weights by them); batched: from
     :func:`batched_outputs`, at compile time; output_merge: ``Plan.output_merge``.
@@ -366,7 +370,9 @@ def merge(
     for column in zip(*flat):
         values = [leaf for _, leaf in column]
         path = path_of(column[0][0])
-        if path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
+        if own_loss is not None and path == "loss" and path not in output_merge and isinstance(values[0], torch.Tensor) and values[0].dim() == 0:
+            merged.append(sum(v.to(values[0].device) * w for v, w in zip(values, own_loss)))
+        elif path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
             merged.append(values[0])
         else:
             merged.append(_merge_leaf(path, values, sizes, batched, output_merge))

@@ -531,7 +531,24 @@ class PipelineBase(PipelineViews):
             self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs, batch.program.part)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
-        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
+        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once, self._own_loss_weights(batch))
+
+    def _own_loss_weights(self, batch: Batch) -> list[float] | None:
+        """Each micro-batch's weight in the model's own loss as ``step`` weighs it: its share
+        of the step's count for one mean-reduced loss call (token counts: padding and
+        ``ignore_index`` left out), else its share of the samples. None without such a loss."""
+        losses = batch.program.part.model_losses
+        if losses is None:
+            return None
+        by_samples = [n / sum(batch.sizes) for n in batch.sizes]
+        try:
+            parts = [losses.count(flat) for flat in batch.inputs]
+        except Exception:  # noqa: BLE001 - not countable: the samples' shares, as step() falls back to
+            return by_samples
+        if batch.program.part.loss_terms or any(reductions != ["mean"] for reductions, _ in parts):
+            return by_samples
+        total = sum(counts[0] for _, counts in parts)
+        return [counts[0] / total for _, counts in parts] if total > 0 else by_samples
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError
