@@ -51,7 +51,7 @@ from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
 from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS
 from fxpipe.passes.module_state import WriteJournal
-from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
+from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, TensorGuard, output_guard
 from fxpipe.passes.signature import is_constant
 from fxpipe.passes.tags import TagError, opaque_scope
 from fxpipe.passes.targets import resolver
@@ -472,9 +472,9 @@ class PipeTracer(fx.Tracer):
             return proxy
         value = pytree.tree_map(unwatched, value)
         guard = output_guard(value, callee, estimated=self._example.data_dependent(proxy.node))
-        if guard is None:
-            return proxy
         out = self.create_proxy("call_function", guard, (proxy,), {})
+        if isinstance(guard, TensorGuard):
+            return out
         leaves, spec = pytree.tree_flatten(value)
         for j, k in enumerate(guard.passed):
             leaves[k] = out[j]

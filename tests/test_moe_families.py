@@ -348,3 +348,29 @@ def test_pipe_call_merges_the_models_own_loss_by_its_token_counts() -> None:
     assert torch.allclose(out.loss, eager.loss, rtol=1e-6, atol=0)
     by_samples = torch.stack([model(i, attention_mask=m, labels=t).loss for i, m, t in zip(ids.split(2), mask.split(2), labels.split(2))]).mean()
     assert not torch.allclose(by_samples, eager.loss, rtol=1e-4, atol=0)  # the shares of samples would be off
+
+
+def mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    """An additive mask, or None when nothing is masked (as HF's eager_mask decides)."""
+    if bool(mask.all()):
+        return None
+    return (1.0 - mask.float()) * -1e4
+
+
+class MaskedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bias = mask_or_none(mask)
+        return self.b(self.a(x) + bias)
+
+
+def test_an_opaque_callee_returning_none_where_the_trace_saw_a_tensor_is_named() -> None:
+    x, mask = torch.randn(4, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    pipe = fxpipe.compile(MaskedHead(), fxpipe.Plan(split=["b"], **{**PLAN, "microbatches": 2}), example_inputs=(x, mask))
+    assert [c.name for c in pipe.part.opaque] == ["test_moe_families.mask_or_none"]
+    with pytest.raises(fxpipe.PipelineError, match=r"mask_or_none returned None but the trace assumed a tensor.*attn_implementation='sdpa'"):
+        pipe(x, mask)  # micro-batch 1 masks nothing
