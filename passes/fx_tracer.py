@@ -217,6 +217,23 @@ class PipeTracer(fx.Tracer):
         node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
         return node
 
+    def path_of_module(self, mod: nn.Module) -> str:
+        """The module's path as the call reaches it: the calling module's path and the
+        child's name there. A module shared by two parents (``0.module`` and ``2.module``)
+        gets the path of the parent calling it, so each call belongs to its caller's
+        stage; else fx's (its first name)."""
+        parent_path = self.path_stack[-1] if self.path_stack else ""
+        try:
+            parent = self.root.get_submodule(parent_path) if parent_path else self.root
+        except AttributeError:
+            parent = None
+        if parent is mod and parent_path:  # asked again from inside its own call (fx's call_module)
+            return parent_path
+        for name, child in (parent._modules.items() if parent is not None else ()):
+            if child is mod:
+                return f"{parent_path}.{name}" if parent_path else name
+        return super().path_of_module(mod)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_classes):
             return True

@@ -374,3 +374,27 @@ def test_an_opaque_callee_returning_none_where_the_trace_saw_a_tensor_is_named()
     assert [c.name for c in pipe.part.opaque] == ["test_moe_families.mask_or_none"]
     with pytest.raises(fxpipe.PipelineError, match=r"mask_or_none returned None but the trace assumed a tensor.*attn_implementation='sdpa'"):
         pipe(x, mask)  # micro-batch 1 masks nothing
+
+
+class Wrap(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_module_shared_by_two_children_on_different_stages_belongs_to_each_caller() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(Wrap(shared), nn.Tanh(), Wrap(shared))
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["2"], devices=["cpu:0", "cpu:1"], microbatches=2), example_inputs=(x,))
+    assert [[n.target for n in s.module.graph.nodes if n.op == "call_module"] for s in pipe.stages] == [["0.module", "1"], ["2.module"]]
+    x3 = torch.randn(8, 2, 4)  # another signature, traced again and cut alike
+    assert torch.allclose(pipe(x3), model(x3), atol=1e-6)
+    pipe.step(x, target=t, loss_fn=nn.functional.mse_loss)
+    nn.functional.mse_loss(model(x), t).backward()
+    assert [k for k, _ in pipe.named_parameters()] == ["0.module.weight", "0.module.bias"]
+    for k, p in pipe.named_parameters():  # both uses' gradients, summed as eager sums them
+        assert torch.allclose(p.grad, dict(model.named_parameters())[k].grad, atol=1e-6)
