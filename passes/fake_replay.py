@@ -204,7 +204,14 @@ class FakeReplay:
                 output = self.values[node]
         if progress is not None:
             progress(len(nodes), len(nodes))
+        self.release_real_values()
         return output
+
+    def release_real_values(self) -> None:
+        """Forget the example's real values held for real runs (inputs, and masks or
+        positions computed from them): a replay kept after its run holds no real tensors."""
+        self._given.clear()
+        self._reals.clear()
 
     def step(self, node: fx.Node, resolve: Callable[[str], Any], value: Any = None) -> Any:
         """Run one node whose inputs have run (a placeholder takes ``value``, faked); records

@@ -185,6 +185,7 @@ class PipeTracer(fx.Tracer):
         node's value, key and template, as shape propagation makes them), or None when a node
         could not run or the example was replayed at another batch size (a batch of one)."""
         replay = self._example.replay
+        replay.release_real_values()
         if self._root_call.replayed_as_given and all(n in replay.values for n in self.graph.nodes):
             return replay
         return None
