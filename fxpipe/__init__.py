@@ -10,7 +10,7 @@ runs). ``pipe.memory()`` reports each stage's memory, measured against its predi
 
 from typing import Any
 
-from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.compiler.driver import CompileError, partition
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.compiler.stage import Stage
@@ -46,6 +46,7 @@ __all__ = [
     "DeviceError",
     "DeviceSpec",
     "DistributedPipeline",
+    "LossFunctionError",
     "MemoryReport",
     "MicrobatchError",
     "Partitioned",

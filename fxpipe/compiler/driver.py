@@ -97,8 +97,13 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
     plan = Plan.coerce(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe expects an nn.Module, got {type(model).__name__}")
+    if example_inputs is None and not example_kwargs:
+        raise CompileError(
+            f"example_inputs=None: pass example_inputs=(x, ...), the arguments of {type(model).__name__}.forward "
+            "shaped like a training batch (a single tensor may be passed as is; keyword arguments go in example_kwargs=)"
+        )
     if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+        example_inputs = () if example_inputs is None else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.batching import loss_scale, microbatch
-from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.inspection.memory_report import MemoryReport, memory_report
 from fxpipe.inspection.views import PipelineViews
 from fxpipe.runtime.context import StepContext
@@ -202,6 +202,11 @@ def _check_same_edges(programs: list[Program]) -> None:
                 f"other values than micro-batch 0's ({programs[0].part.key.brief()}), so they cannot run in one step; "
                 "run them in steps of their own, or trace once for every size (Plan(frontend='fx'))"
             )
+
+
+def _shape_of(value: Any) -> list[int] | str:
+    """A state-dict value's shape as a list (what a non-tensor value is, otherwise)."""
+    return list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -395,6 +400,7 @@ class PipelineBase(PipelineViews):
         """
         loss_fn = loss_fn or self.loss_fn
         batch = self._batch(args, kwargs, target, microbatches, targets)
+        self._check_loss_call(loss_fn, batch)
         counts = self._step_counts(loss_fn, batch) if self._holds_last() else None
         loss_of = self._loss_function(loss_fn, batch, counts)
         wanted = batch.input_gradient_leaves()
@@ -413,6 +419,37 @@ class PipelineBase(PipelineViews):
             modules = {s: r.module for s, r in runners.items()}
             self._last_memory = (*batch.largest(), batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)
         return self._step_loss(ctx)
+
+    def _check_loss_call(self, loss_fn: Any, batch: Batch) -> None:
+        """Before any stage runs: ``loss_fn`` callable, and given a target when it needs one
+        (a torch loss always does; another function is asked on the call's output as meta
+        tensors, from a fake run of the model). Raises LossFunctionError saying what to pass."""
+        if loss_fn is None:
+            return
+        name = microbatch.loss_name(loss_fn)
+        if not callable(loss_fn):
+            raise LossFunctionError(
+                f"loss_fn = {loss_fn!r} ({type(loss_fn).__name__}) is not callable: pass a function of (output, target) "
+                "returning a scalar tensor, e.g. loss_fn=nn.CrossEntropyLoss()"
+            )
+        if any(t is not None for t in batch.targets):
+            return
+        fix = (
+            f"pipe.step got no target, and loss_fn ({name}) needs one: pass target=t (one row per input sample), "
+            "or targets=[...] with microbatches=[...]"
+        )
+        if isinstance(loss_fn, nn.modules.loss._Loss):
+            raise LossFunctionError(fix)
+        try:
+            output = self._output_like(*(batch.calls[0] if batch.listed else batch.call))
+        except Exception:  # noqa: BLE001 - a model fake tensors cannot run: its first micro-batch will say
+            return
+        try:
+            loss_fn(output, None)
+        except Exception as err:  # noqa: BLE001 - whatever the loss raises on a None target
+            cause = (str(err).strip().splitlines() or [""])[0]
+            if "None" in cause:  # the target it was given, not meta tensors (.item()) or the output, is at fault
+                raise LossFunctionError(f"{fix} ({type(err).__name__}: {cause})") from err
 
     def _holds_last(self) -> bool:
         """Whether this process runs the last stage (where the loss is computed)."""
@@ -547,6 +584,15 @@ class PipelineBase(PipelineViews):
         unexpected = [] if self._partial_state else [k for k in state if k not in self._state]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        mismatched = [
+            f"{k}: {_shape_of(state[k])} given, {list(self._state[k].shape)} in the model"
+            for k in self._state if k in state and _shape_of(state[k]) != list(self._state[k].shape)
+        ]
+        if mismatched:
+            raise ValueError(
+                f"load_state_dict: {len(mismatched)} tensor(s) of another shape ({'; '.join(mismatched[:5])}): "
+                "load a state dict saved from this model's configuration"
+            )
         with torch.no_grad():
             for key, tensor in self._state.items():
                 if key in state:
