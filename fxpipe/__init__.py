@@ -22,6 +22,7 @@ from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.traced import TraceError
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.planner.profile import Profile, profile
+from fxpipe.runtime.inputs import InputError
 from fxpipe.runtime.local import PipelineError
 from fxpipe.runtime.local_pipeline import Pipeline
 from fxpipe.schedules import Action, ScheduleError, check_schedule
@@ -46,6 +47,7 @@ __all__ = [
     "DeviceError",
     "DeviceSpec",
     "DistributedPipeline",
+    "InputError",
     "LossFunctionError",
     "MemoryReport",
     "MicrobatchError",

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from fxpipe.batching.batched_outputs import batched_outputs, output_like
+from fxpipe.batching.batched_outputs import batched_outputs, check_call, output_like
 from fxpipe.compiler.collector import collector_paused
 from fxpipe.compiler.driver import CompileError, on_meta, partition, partition_like
 from fxpipe.compiler.partitioned import Partitioned
@@ -35,6 +35,7 @@ COMPILER = Compiler(
     batched_outputs=batched_outputs,
     fake_replay=lambda: FakeReplay(device="cpu"),
     output_like=output_like,
+    check_call=check_call,
 )
 
 

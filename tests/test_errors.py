@@ -172,9 +172,11 @@ def test_fewer_microbatches_than_stages_is_allowed() -> None:
 
 
 def test_failing_stage_is_named_not_hung() -> None:
+    from fxpipe.runtime.inject import injected
+
     pipe = fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=2), example_inputs=(X,), loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(fxpipe.PipelineError, match=r"stage 0 .*F0:0"):
-        pipe.step(torch.randn(8, 5), target=torch.zeros(8, dtype=torch.long))  # wrong feature size
+    with injected("raise:action=F0:0"), pytest.raises(fxpipe.PipelineError, match=r"stage 0 .*F0:0"):
+        pipe.step(X, target=torch.zeros(8, dtype=torch.long))
 
 
 def test_step_without_loss_explains() -> None:
@@ -408,3 +410,48 @@ def test_assumption_error_is_a_trace_error() -> None:
     assert issubclass(AssumptionError, fxpipe.TraceError)
     with pytest.raises(fxpipe.TraceError, match="the trace followed the branch of"):
         check_assumed(3, 1, "if n > 1 (model.py:4)")
+
+
+# ------------------------------------------- inputs the program was not traced for (issue 32)
+def nine_features() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(9, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        (torch.randn(16, 9, dtype=torch.float64), r"'input' is f64\[\*, 9\] where it was traced as f32\[\*, 9\].*: pass input\.to\(torch\.float32\)"),
+        (torch.ones(16, 9, dtype=torch.int64), r"'input' is i64\[\*, 9\] where it was traced as f32\[\*, 9\].*: pass input\.to\(torch\.float32\)"),
+        (torch.randn(16, 8), r"'input' is f32\[\*, 8\] where it was traced as f32\[\*, 9\].*: give input the traced sizes after the batch dimension \[9\]"),
+    ],
+    ids=["float64", "int64", "8-features"],
+)
+def test_an_input_the_model_was_not_traced_for_is_named_before_any_stage_runs(given: torch.Tensor, match: str) -> None:
+    pipe = fxpipe.compile(nine_features(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]), example_inputs=(torch.randn(16, 9),), loss_fn=nn.CrossEntropyLoss())
+    for call in (lambda: pipe.step(given, target=torch.zeros(16, dtype=torch.long)), lambda: pipe(given), lambda: pipe(microbatches=[given[:8], given[8:]])):
+        with pytest.raises(fxpipe.InputError, match="Sequential.forward's argument " + match) as info:
+            call()
+        assert "compile with example_inputs of this kind" in one_line(info.value)
+    assert ran_no_stage(pipe) and len(pipe.signatures) == 1  # nothing ran, nothing was traced again
+
+
+class Tokens(nn.Module):
+    """Embeds token ids and mixes positions: any sequence length and int32 ids fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids))).mean(1)
+
+
+def test_inputs_a_new_signature_serves_still_run_as_eager() -> None:
+    model = Tokens()
+    pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["head"], microbatches=2), example_inputs=(torch.randint(0, 10, (4, 5)),))
+    for ids in (torch.randint(0, 10, (4, 7)), torch.randint(0, 10, (4, 5), dtype=torch.int32)):  # another length; int32 ids
+        torch.testing.assert_close(pipe(ids), model(ids))
+    with pytest.raises(fxpipe.InputError, match=r"'ids' is f32\[\*, 5\] where it was traced as i64\[\*, 5\]"):
+        pipe(torch.rand(4, 5))

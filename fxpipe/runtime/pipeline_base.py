@@ -27,6 +27,7 @@ from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.inspection.memory_report import MemoryReport, memory_report
 from fxpipe.inspection.views import PipelineViews
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.inputs import InputCheck
 from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.memory import StepMemory, held_state
 from fxpipe.runtime.placement import skeleton
@@ -47,13 +48,17 @@ class Compiler:
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
     output_like(model, args, kwargs): the model's output for a call as meta tensors, from
     one run on fake tensors (``fxpipe.batching.batched_outputs.output_like``): what a step's loss
-    counts are taken from before its micro-batches run.
+    counts are taken from before its micro-batches run. check_call(model, args, kwargs):
+    raises what the eager model raises for a call's shapes and dtypes, on fake tensors with
+    the dtype rules of real kernels (``fxpipe.batching.batched_outputs.check_call``): an input the
+    program was not traced for is named before any stage runs (``fxpipe.runtime.inputs``).
     """
 
     retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
     batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
     fake_replay: Callable[[], Any]
     output_like: Callable[[nn.Module, tuple, dict], Any]
+    check_call: Callable[[nn.Module, tuple, dict], None]
 
 
 @dataclass
@@ -242,6 +247,7 @@ class PipelineBase(PipelineViews):
         # the model's code and structure without its memory (nor a reference to it): which
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
+        self._check_inputs = InputCheck(self._model, (tuple(part.example_inputs), dict(part.example_kwargs)), compiler.check_call)
         self._batched: dict[tuple, dict[str, bool]] = {}
         self._outputs_like: dict[tuple, Any] = {}  # a listed step's outputs as meta tensors, per input shapes
         self._programs: dict[Any, Program] = {}
@@ -330,6 +336,7 @@ class PipelineBase(PipelineViews):
         with the compiled stages of the call's signature; ``Batch.step`` holds every
         replica's micro-batches (for the step's loss counts)."""
         microbatch.check_cuttable((args, kwargs), self.plan.microbatches * self.replicas)
+        self._check_inputs(args, kwargs)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
@@ -351,6 +358,8 @@ class PipelineBase(PipelineViews):
         counts are known (:meth:`_listed_counts`). Raises what ``microbatch.listed_calls``
         raises, and MicrobatchError when two micro-batches' programs cut other edges."""
         calls, targets = microbatch.listed_calls(entries, targets, self._model.forward)
+        for args, kwargs in calls:
+            self._check_inputs(args, kwargs)
         programs = [self._program(args, kwargs) for args, kwargs in calls]
         _check_same_edges(programs)
         inputs = [p.part.bind_inputs(args, kwargs) for p, (args, kwargs) in zip(programs, calls)]
