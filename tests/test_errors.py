@@ -455,3 +455,20 @@ def test_inputs_a_new_signature_serves_still_run_as_eager() -> None:
         torch.testing.assert_close(pipe(ids), model(ids))
     with pytest.raises(fxpipe.InputError, match=r"'ids' is f32\[\*, 5\] where it was traced as i64\[\*, 5\]"):
         pipe(torch.rand(4, 5))
+
+
+def test_an_unknown_split_point_lists_the_nearest_module_names() -> None:
+    import torchvision
+
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["layer9"])
+    with pytest.raises(fxpipe.AnnotateError, match=r"'layer9' is not a module of the model; nearest: layer1, layer2, layer3, layer4"):
+        fxpipe.partition(torchvision.models.resnet18(num_classes=4), plan, example_inputs=(torch.randn(2, 3, 32, 32),))
+    with pytest.raises(fxpipe.AnnotateError, match=r"'blocks' is not a module of the model; the model's top-level modules are 0, 1, 2, 3, 4"):
+        fxpipe.partition(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks"]), example_inputs=(X,))
+
+
+def test_an_example_of_a_dtype_the_kernels_refuse_is_a_compile_error() -> None:
+    with pytest.raises(fxpipe.CompileError, match=r"example_inputs \(float64\[8, 4\]\) meet Sequential's float32 parameters where real kernels refuse mixed dtypes \(addmm") as info:
+        fxpipe.compile(mlp(), {}, example_inputs=(X.double(),))
+    one_line(info.value)
+    assert fxpipe.compile(mlp().double(), {}, example_inputs=(X.double(),))(X.double()).dtype == torch.float64

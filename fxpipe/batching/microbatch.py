@@ -289,6 +289,11 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {inner(value)}"
 
 
+def describe_tensor(t: torch.Tensor) -> str:
+    """``float16[8, 3, 64, 64]``: a tensor's dtype and shape, as messages name an input."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
 def signature(value: Any) -> tuple:
     """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
     leaves, spec = pytree.tree_flatten(value)
