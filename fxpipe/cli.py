@@ -217,8 +217,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
     plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                       help="pipeline schedule (zb-v, v-half and v-min run with --chunks 2); default 1f1b")
-    plan.add_argument("--microbatches", type=_positive, default=4, metavar="M",
-                      help="micro-batches per step (the batch is cut along dim 0); default 4")
+    plan.add_argument("--microbatches", type=_positive, default=None, metavar="M",
+                      help="micro-batches per step (the batch is cut along dim 0); default 4, or the batch size when smaller")
     plan.add_argument("--chunks", type=_positive, default=1, metavar="V",
                       help="stages per device for interleaved-1f1b; default 1")
     plan.add_argument("--checkpoint", action="store_true", help="recompute activations in backward instead of keeping them")
@@ -246,7 +246,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     ``--html``. Returns 0."""
     model, shapes, inputs = _model_and_inputs(args)
     plan = plan_from_args(args)
-    check_batch(args, plan, inputs)
+    plan = fit_batch(args, plan, inputs)
     part = _on_model(args, shapes, lambda: fxpipe.partition(model, plan, example_inputs=inputs))
     out = _out_dir(args.out, args.prefix)
     print(part.summary())
@@ -271,7 +271,7 @@ def run_train(args: argparse.Namespace) -> int:
     model.train()
     loss_fn = {"cross-entropy": torch.nn.CrossEntropyLoss(), "mse": torch.nn.MSELoss(), "lm": cli_model.next_token_loss, "output": None}[args.loss]
     plan = plan_from_args(args)
-    check_batch(args, plan, inputs)
+    plan = fit_batch(args, plan, inputs)
     pipe = _on_model(args, shapes, lambda: fxpipe.compile(model, plan, example_inputs=inputs, loss_fn=loss_fn))
     print(pipe.summary())
     output = next(n for n in pipe.graph.nodes if n.op == "output").meta.get(VAL)
@@ -412,16 +412,24 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def check_batch(args: argparse.Namespace, plan: Any, inputs: tuple) -> None:
-    """Raise CommandError when --microbatches asks for more micro-batches than --input has
-    samples (``pipe.step`` would refuse the batch; ``inspect`` would plan what cannot run)."""
+def fit_batch(args: argparse.Namespace, plan: Any, inputs: tuple) -> Any:
+    """Returns ``plan`` with the micro-batch count the batch allows when --microbatches was
+    left out (4, or the batch size when smaller).
+
+    Raises:
+        CommandError: when --microbatches asks for more micro-batches than --input has
+            samples (``pipe.step`` would refuse the batch; ``inspect`` would plan what cannot run).
+    """
     samples = batch_size(inputs)
-    if samples is not None and plan.microbatches > samples:
-        raise CommandError(
-            f"--microbatches {plan.microbatches} cuts a batch of {samples} samples ({cli_model.describe_inputs(args.input)}) "
-            "into more micro-batches than samples",
-            [f"give --microbatches {samples} or fewer, or a larger batch (dim 0 of --input)"],
-        )
+    if samples is None or plan.microbatches <= samples:
+        return plan
+    if args.microbatches is None:
+        return plan.replace(microbatches=samples)
+    raise CommandError(
+        f"--microbatches {plan.microbatches} cuts a batch of {samples} samples ({cli_model.describe_inputs(args.input)}) "
+        "into more micro-batches than samples",
+        [f"give --microbatches {samples} or fewer, or a larger batch (dim 0 of --input)"],
+    )
 
 
 def on_logical_devices(timeline: Any, devices: Sequence[str]) -> Any:
