@@ -91,24 +91,27 @@ class InputCheck:
         return True
 
     def _message(self, described: tuple, err: BaseException) -> str:
+        """One line: each tensor argument that differs from the example (traced and given),
+        the model's own failure on fake tensors, and the fix."""
         traced = {name: (spec, leaves) for name, spec, leaves in self._example or ()}
         differences, fixes = [], []
         for name, spec, leaves in described:
-            if traced.get(name, (spec, leaves))[0] != spec:
+            mine_spec, mine_leaves = traced.get(name, (spec, leaves))
+            if mine_spec != spec:
                 continue
-            for k, (mine, given) in enumerate(zip(traced.get(name, (spec, leaves))[1], leaves)):
+            for k, (mine, given) in enumerate(zip(mine_leaves, leaves)):
                 if mine is None or given is None or mine == given:
                     continue
-                label = name if len(leaves) == 1 else f"{name} (tensor {k})"
-                differences.append(f"{label!r} is {_tensor_text(*given)} where it was traced as {_tensor_text(*mine)}")
+                label = repr(name) if len(leaves) == 1 else f"{name!r} (tensor {k})"
+                differences.append(f"argument {label} is {_tensor_text(*given)} where it was traced as {_tensor_text(*mine)}")
                 if mine[0] != given[0]:
                     fixes.append(f"pass {name}.to({mine[0]})")
                 if mine[1] != given[1]:
                     fixes.append(f"give {name} the traced sizes after the batch dimension {list(mine[1])}")
         cause = (str(err).strip().splitlines() or [""])[0]
-        what = "; ".join(differences) or "this call's inputs differ from the traced example"
+        what = "; ".join(differences) or "arguments differ from the traced example"
         fix = " or ".join(dict.fromkeys(fixes)) or "pass inputs like the example"
         return (
-            f"{type(self._model).__name__}.forward's argument {what}, and the model cannot take it ({type(err).__name__}: {cause}): "
+            f"{type(self._model).__name__}.forward's {what}, and the model cannot take it ({type(err).__name__}: {cause}): "
             f"{fix}, or compile with example_inputs of this kind"
         )
