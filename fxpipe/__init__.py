@@ -10,7 +10,7 @@ runs). ``pipe.memory()`` reports each stage's memory, measured against its predi
 
 from typing import Any
 
-from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.compiler.driver import CompileError, partition
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.compiler.stage import Stage
@@ -22,6 +22,7 @@ from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.traced import TraceError
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.planner.profile import Profile, profile
+from fxpipe.runtime.inputs import InputError
 from fxpipe.runtime.local import PipelineError
 from fxpipe.runtime.local_pipeline import Pipeline
 from fxpipe.schedules import Action, ScheduleError, check_schedule
@@ -46,6 +47,8 @@ __all__ = [
     "DeviceError",
     "DeviceSpec",
     "DistributedPipeline",
+    "InputError",
+    "LossFunctionError",
     "MemoryReport",
     "MicrobatchError",
     "Partitioned",

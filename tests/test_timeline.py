@@ -416,3 +416,29 @@ def test_timeline_under_torchrun_gathers_every_ranks_events_on_one_clock():
     flows = _flows(trace)
     assert sorted((s["cat"], s["pid"], f["pid"]) for s, f in flows.values()) == [("activation", 0, 1)] * 4 + [("gradient", 1, 0)] * 4
     assert "rank 0 (cpu)" in ranks[0]["chart"] and "rank 1 (cpu)" in ranks[0]["chart"]
+
+
+def test_a_squeezed_gantt_chart_numbers_every_kth_box_never_none(tmp_path) -> None:
+    """Boxes narrower than any readable number (64 micro-batches of 1 ms in a 2 s step):
+    every k-th micro-batch is numbered beside its box, in each row and for each op."""
+    import matplotlib.pyplot as plt
+
+    from fxpipe.inspection import gantt
+
+    events = [
+        Event(w, w, m, op, start, start + 1e-3)
+        for w in range(2) for m in range(64)
+        for op, start in (("F", 0.01 * m + 0.002 * w), ("B", 1.0 + 0.01 * m + 0.002 * w))
+    ]
+    timeline = Timeline(events, 2)
+    points_per_second = 30 * 72 * 0.8 / 2.0
+    size, stride = gantt._labels(events, points_per_second)
+    assert size >= 5 and stride > 1
+    fig, ax = plt.subplots()
+    gantt._draw(timeline, ax, 1e3, (size, stride), points_per_second)
+    numbers = [int(t.get_text()) for t in ax.texts]
+    plt.close(fig)
+    assert numbers and all(n % stride == 0 for n in numbers)
+    assert len(numbers) == 2 * 2 * len(range(0, 64, stride))  # both rows, forward and backward
+    timeline.plot(tmp_path / "squeezed.png", other=timeline)  # the chart itself draws
+    assert (tmp_path / "squeezed.png").stat().st_size > 0
