@@ -380,6 +380,14 @@ def test_dualpipev_is_no_slower_than_zb_v_with_uneven_costs_and_messages(forward
             assert ours <= theirs + 1e-9, (p, microbatches, ours, theirs)
 
 
+def test_dualpipev_figures_in_the_docs_with_uneven_costs_and_messages():
+    figures = []
+    for costs in (dict(input_time=1.5, weight_time=0.5), dict(comm_time=0.3)):
+        figures += [round(simulate(g(4, 8), 8, 1.0, 2.0, **costs).step_time, 6) for g in (dualpipe_v, zb_v)]
+    assert figures == [54.5, 71.5, 55.4, 60.6]
+    assert "54.5 ticks against ZB-V's 71.5" in DOC.read_text() and "55.4 against 60.6" in DOC.read_text()
+
+
 def _tick_table(actions, stages) -> str:
     """The docstring tables' format: unit F, I, W (B two ticks, "~~" its second); upper
     case for a worker's first stage."""
@@ -776,6 +784,7 @@ def test_docs_tables_are_what_the_generators_play():
     assert _tick_table(zb_v(2, 4), 4) in text
     assert _tick_table(v_half(3, 3), 6) in text
     assert _tick_table(v_min(3, 3), 6) in text
+    assert _tick_table(dualpipe_v(2, 4), 4) in text
 
 
 def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
@@ -785,7 +794,7 @@ def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
         if "fxpipe.compile" not in block:
             exec(compile(block, str(DOC), "exec"), namespace)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(printed) == 1 + 3 + 7
+    assert len(printed) == 1 + 3 + 8
     for line in printed:
         assert f"# {line}" in text, line
 
