@@ -351,8 +351,9 @@ def dualpipe_v(num_workers: int, num_microbatches: int) -> Schedule:
        two adjacent actions of one list;
     5. ``q`` times: a "B" of the later stage, then the pair (forward of the later stage,
        "B" of the earlier stage);
-    6. ``w + 1`` times: a backward of the later stage, then one of the earlier stage: from
-       the middle of this phase on, as an "I" whose "W" is deferred;
+    6. ``w + 1`` times: a backward of the later stage, then one of the earlier stage; the
+       first ``w + 1`` of these as whole "B"s, the last ``w + 1`` as "I"s whose "W" is
+       deferred;
     7. ``q`` times: the oldest deferred "W", then an "I" of the earlier stage;
     8. the ``w + 1`` deferred "W"s left.
 
@@ -449,11 +450,10 @@ def _dualpipe_v_worker(p: int, m: int, w: int) -> list[Action]:
         todo.backward(up)
         todo.forward(up)
         todo.backward(down)
-    # the tail splits its backwards from its middle on, so the W's fill the drain
-    half = (w + 1) // 2
-    for i in range(w + 1):
-        todo.backward(up, split=i > half or (i == half and w % 2 == 1))
-        todo.backward(down, split=i >= half)
+    # the later stage's backward, then the earlier's: the second half as I's, whose W's
+    # fill the drain
+    for k in range(2 * (w + 1)):
+        todo.backward(up if k % 2 == 0 else down, split=k > w)
     for _ in range(q):
         todo.weight()
         todo.backward(down, split=True)

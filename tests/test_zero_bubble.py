@@ -101,6 +101,8 @@ def test_dualpipev_matches_eager_locally(m: int, checkpoint: bool, frontend: str
     assert {e.op for e in events} == {"F", "B", "I", "W"}
     # per worker: 2m F, 2m B or I, and a W for each of its 2p - 1 - w I's
     assert len(events) == sum(4 * m + 2 * workers - 1 - w for w in range(workers))
+    with torch.no_grad():  # inference runs the schedule's forwards only, in its order
+        torch.testing.assert_close(pipe(ids), ref(ids), rtol=1e-12, atol=1e-12)
 
 
 def test_after_I_only_what_W_needs_is_held() -> None:
