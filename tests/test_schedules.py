@@ -318,6 +318,18 @@ def test_dualpipev_places_a_v_pairs_forwards_with_backwards_and_splits_only_warm
             assert todo[first_backward].stage == later and todo[first_backward].microbatch == 0
 
 
+@pytest.mark.parametrize("workers", range(2, 7))
+def test_dualpipev_stays_deadlock_free_over_skip_connections(workers):
+    """Edges past the next stage (a residual over a stage, the first stage feeding the last as
+    a tied head does, the first feeding every stage) add waits the chain does not have."""
+    stages = 2 * workers
+    chain = [(s, s + 1) for s in range(stages - 1)]
+    skips = [[(s, s + 2) for s in range(stages - 2)], [(0, stages - 1)], [(0, s) for s in range(2, stages)]]
+    for microbatches in (2 * workers - 1, 2 * workers, 3 * workers):
+        for extra in skips:
+            resolve_schedule("dualpipev", stages, microbatches, chunks=2, deps=chain + extra)
+
+
 def test_dualpipev_rejects_fewer_than_2p_minus_1_microbatches_naming_the_fix():
     with pytest.raises(ScheduleError, match=r"dualpipev needs at least 2p - 1 = 5 micro-batches on 3 workers .* got 4; use microbatches >= 5, or 'zb-v'"):
         dualpipe_v(3, 4)
