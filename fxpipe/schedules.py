@@ -365,9 +365,8 @@ def dualpipe_v(num_workers: int, num_microbatches: int) -> Schedule:
         worker 0  F0 F1 F2 f0 i0 w0 f1 F3 b1 ~~ f2 B0 ~~ b2 ~~ f3 .  B1 ~~ b3 ~~ I2 W2 I3 W3
         worker 1  .  F0 f0 F1 f1 F2 b0 ~~ f2 B0 ~~ F3 b1 ~~ f3 B1 ~~ b2 ~~ B2 ~~ i3 I3 w3 W3
 
-    The steady state runs whole backwards: one action where ZB-V runs an "I" and a "W",
-    and, where a pair's halves overlap on the device, the time of one half hidden behind
-    the other. Run one action at a time with unit costs, the step lasts ``6m + p - 1``
+    The steady state runs whole backwards: one action where ZB-V runs an "I" and a "W".
+    Run one action at a time with unit costs, the step lasts ``6m + p - 1``
     ticks, ZB-V's and the least possible (the tests check every ``p <= 16``,
     ``2p <= m <= 64``); the warm-up's and the tail's "W"s fill what would be bubbles.
 
