@@ -216,7 +216,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tags (device_guard blocks), auto (cost model) or comma-separated module paths where stages "
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
     plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                      help="pipeline schedule (zb-v, v-half and v-min run with --chunks 2); default 1f1b")
+                      help="pipeline schedule (zb-v, v-half, v-min and dualpipev run with --chunks 2); default 1f1b")
     plan.add_argument("--microbatches", type=_positive, default=None, metavar="M",
                       help="micro-batches per step (the batch is cut along dim 0); default 4, or the batch size when smaller")
     plan.add_argument("--chunks", type=_positive, default=1, metavar="V",

@@ -70,7 +70,8 @@ class Plan:
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
     schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1", or one of the V
-        schedules "zb-v" | "v-half" | "v-min" (with chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
+        schedules "zb-v" | "v-half" | "v-min" | "dualpipev" (with chunks=2; "dualpipev" runs
+        at least ``2p - 1`` micro-batches on ``p`` workers), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
         function ``(num_stages, num_microbatches)`` returning such lists. Your own is
         checked (complete, deadlock-free) before anything runs; its lists place the stages
         (worker ``w`` runs the stages in list ``w``). See docs/schedules.md.

@@ -32,7 +32,13 @@ from fxpipe.factory import build_pipeline
 from fxpipe.plan import Plan, PlanError, PlanScheduleError
 from fxpipe.planner.cost_model import spec_for
 from fxpipe.planner.memory_plan import with_memory_plan
-from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_schedule
+from fxpipe.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    ScheduleSpec,
+    describe_schedule,
+    min_microbatches,
+)
 
 
 @dataclass
@@ -84,7 +90,8 @@ def sweep(
     """Predict every candidate (schedule, micro-batch count) and measure a few; one
     TunePoint each, in schedule then count order.
 
-    candidates: counts to predict (default 1 up to the batch size, at most 64);
+    candidates: counts to predict (default 1 up to the batch size, at most 64; a named
+    schedule skips the counts below its ``min_microbatches``, as "dualpipev" below 2p - 1);
     schedules: schedules to predict (default the plan's and every built-in schedule that
     runs its stages on the same workers); measure: how many of the best predicted pairs
     that fit to compile and time, or the exact counts to time (under the plan's schedule);
@@ -128,6 +135,8 @@ def sweep(
         if part is None:
             continue
         for m in counts:
+            if isinstance(spec, str) and m < min_microbatches(spec, part.num_workers):
+                continue  # a count the named schedule does not run (dualpipev's least is 2p - 1)
             point, runs_on = _predicted(part, spec, m, plan, limits, strict=schedules is not None)
             points.append(point)
             runs[id(point)] = runs_on
@@ -208,7 +217,7 @@ def _runnable_schedules(part: Any, plan: Plan) -> list[ScheduleSpec]:
         if name == plan.schedule:
             continue
         try:
-            part.under(name, 1).actions()
+            part.under(name, min_microbatches(name, part.num_workers)).actions()
         except ScheduleError:
             continue
         runnable.append(name)

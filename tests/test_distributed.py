@@ -372,6 +372,13 @@ def test_fused_send_recv_groups_cannot_deadlock_under_nccl_ordering(schedule: st
     check_rendezvous(chain_messages(schedule, stages, m, chunks))
 
 
+@pytest.mark.parametrize("stages,m", [(4, 3), (4, 4), (4, 8), (8, 7), (8, 8), (8, 11), (12, 12)])
+def test_dualpipev_send_recv_groups_cannot_deadlock_under_nccl_ordering(stages: int, m: int) -> None:
+    """dualpipev's F/B pairs post an activation and a gradient back to back, on both edges of
+    the V: from its least count (2p - 1) on."""
+    check_rendezvous(chain_messages("dualpipev", stages, m, 2))
+
+
 def test_rendezvous_check_reports_a_mismatched_order() -> None:
     a = Message("act", 0, 0, 1, (0,))
     b = Message("act", 0, 1, 1, (0,))

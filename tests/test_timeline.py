@@ -275,9 +275,20 @@ def test_gantt_legend_names_i_and_w_in_their_own_colours():
     assert plain == ["forward", "backward", "idle (bubble)", "send / recv"]
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_gantt_legend_of_dualpipev_names_whole_and_split_backwards_of_both_chunks_apart():
+    from fxpipe.inspection.gantt import legend_entries
+
+    entries = legend_entries([simulate(make_schedule("dualpipev", 8, 8, chunks=2), 8, 1.0, 2.0)])
+    labels = [e["label"] for e in entries]
+    kinds = ("forward", "backward", "input gradients (I)", "weight gradients (W)")
+    assert set(labels) == {"idle (bubble)", *kinds, *(f"{kind}, later chunk" for kind in kinds)}
+    colours = [e["color"] for e in entries if "color" in e]
+    assert len(set(colours)) == len(colours) == 8
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipev"])
 def test_plot_draws_zero_bubble_timelines(tmp_path, name):
-    chunks = 2 if name == "zb-v" else 1
+    chunks = 2 if name in ("zb-v", "dualpipev") else 1
     timeline = simulate(make_schedule(name, 4 * chunks, 8, chunks), 4 * chunks, 1e-3, 2e-3)
     path = tmp_path / f"{name}.png"
     timeline.plot(path, title=f"{name}, p=4, m=8")

@@ -97,3 +97,14 @@ def test_a_failing_candidate_is_named_and_skipped_and_the_sweep_goes_on(tmp_path
 
 def test_tune_sweep_is_reachable_from_fxpipe_tune() -> None:
     assert fxpipe.tune.sweep is sweep
+
+
+def test_tune_predicts_dualpipev_from_its_least_count_on_a_v_plan() -> None:
+    """dualpipev runs at least 2p - 1 micro-batches (3 on 2 workers): the sweep finds it among
+    the schedules that keep a V's stages in place, and predicts it only from that count."""
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2", "4", "6"], schedule="zb-v", chunks=2)
+    points = sweep(model(), plan, (X,), candidates=[1, 2, 4, 8], measure=0)
+    counts: dict[str, list[int]] = {}
+    for point in points:
+        counts.setdefault(point.schedule, []).append(point.microbatches)
+    assert counts == {"zb-v": [1, 2, 4, 8], "v-half": [1, 2, 4, 8], "v-min": [1, 2, 4, 8], "dualpipev": [4, 8]}
