@@ -76,7 +76,7 @@ def check_pipeline_matches_eager(
     # the pipeline's tensors are the model's own: its buffers (BatchNorm statistics) moved as
     # eager's did, its parameters (no optimizer step) not at all
     after, expected = model.state_dict(), ref.state_dict()
-    for key, value in before.items():
+    for key in before:
         torch.testing.assert_close(after[key].cpu(), expected[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"the model's {k} after the step: {m}")
     return pipe
 

@@ -122,6 +122,7 @@ def test_an_edit_of_the_models_weights_after_compile_is_seen(float64) -> None:
     torch.testing.assert_close(pipe(x), model(x), rtol=1e-12, atol=1e-12)
     model.load_state_dict(mlp().state_dict())  # load_state_dict copies in place too
     torch.testing.assert_close(pipe(x), model(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pipe.step(x, target=t), MSE(model(x), t), rtol=1e-12, atol=1e-12)
 
 
 def test_gpt2_with_tied_embeddings_trains_as_eager_with_the_optimizer_on_the_model(float64) -> None:
