@@ -17,7 +17,8 @@ A real (non-meta) model's stage modules on this rank hold the model's own parame
 buffers, moved in place to the rank's device (as FSDP2 does): an optimizer built on
 ``model.parameters()`` updates them, and the other stages' tensors stay where they are. A
 meta tensor cannot become real in place, so a model built on the meta device gets new
-tensors on the rank's stages (``pipe.parameters()`` lists them).
+tensors on the rank's stages (``pipe.parameters()`` lists them), and so does
+``Plan(fsdp=True)``, whose stages hold the parameters' shards.
 """
 
 from __future__ import annotations
@@ -146,11 +147,15 @@ def materialize(
     device: torch.device,
     weights: Weights,
     aliases: Mapping[str, list[str]],
+    share: bool = True,
 ) -> dict[int, nn.Module]:
     """Copies of this rank's stage modules with real tensors on ``device``.
 
     modules: stage index -> stage module (referencing the user's model, possibly on meta);
-    aliases: every name of each tensor of the model (tied weights have several).
+    aliases: every name of each tensor of the model (tied weights have several); share:
+    whether the copies hold the model's own (real) tensors, moved in place, or copies of
+    them (FSDP replaces the parameters by their shards: the model's own, moved, would
+    keep whole copies on the device).
     Tensors shared between the stages stay shared. Raises MaterializeError naming the
     stage and tensor that no checkpoint entry or ``reset_parameters`` fills.
     """
@@ -165,9 +170,11 @@ def materialize(
                     if tensor.is_meta:
                         memo[id(tensor)] = _allocated(tensor, device)
                         fresh[id(memo[id(tensor)])] = (s, f"{path}.{name}" if path else name)
-                    else:
+                    elif share:
                         move_in_place(tensor, device)
                         memo[id(tensor)] = tensor  # the model's own object
+                    else:
+                        memo[id(tensor)] = _copied(tensor, device)
     copies = {s: copy_module(m, memo) for s, m in modules.items()}  # generated code shared
     source = open_weights(weights)
     if callable(source) and not isinstance(source, Mapping):
@@ -184,7 +191,14 @@ def materialize(
 
 
 def _allocated(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    data = torch.empty_like(tensor, device=device)
+    return _as_kind_of(tensor, torch.empty_like(tensor, device=device))
+
+
+def _copied(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return _as_kind_of(tensor, tensor.detach().to(device))
+
+
+def _as_kind_of(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(data, requires_grad=tensor.requires_grad)
     return data
