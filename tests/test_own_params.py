@@ -151,6 +151,11 @@ def test_gpt2_with_tied_embeddings_trains_as_eager_with_the_optimizer_on_the_mod
         ref_opt.zero_grad()
         assert float(loss) == pytest.approx(float(expected), rel=1e-10)
     assert len(pipe.signatures) == 2
+    # every signature's stages run on the model's own objects (and the head's one replica)
+    own = {id(p) for p in model.parameters()} | {id(r) for group in pipe._placement.tied for r in group.replicas}
+    for program in pipe._programs.values():
+        held = {id(p) for runner in program.runners.values() for p in runner.module.parameters()}
+        assert held and held <= own
     assert model.lm_head.weight is model.transformer.wte.weight
     torch.testing.assert_close(model.transformer.wte.weight, ref.transformer.wte.weight, rtol=1e-10, atol=1e-12)
 
