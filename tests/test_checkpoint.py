@@ -193,3 +193,41 @@ def test_a_two_rank_save_resumes_in_one_process(tmp_path, float64) -> None:
     pipe, opt, sched = trainer(TiedLM(), LAYOUTS["3 stages"])
     assert fxpipe.load_checkpoint(path, pipe, opt, sched) == {"step": 2}
     assert train(pipe, opt, sched, batches()[2:]) == pytest.approx(first, rel=1e-12, abs=0)
+
+
+SHARDED = dict(devices=["cpu"], microbatches=3, data_parallel=2, fsdp=True)
+
+
+def sharded_trainer(seed: int):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(seed)
+    pipe = fxpipe.compile(TiedLM(), fxpipe.Plan(**SHARDED), example_inputs=(batches(1)[0][0],), loss_fn=CE)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)  # the shards (DTensors)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    return pipe, opt, sched
+
+
+def sharded_save(path: str) -> list[float]:
+    """2 replicas sharding one stage (FSDP): 2 steps, save, 2 more."""
+    pipe, opt, sched = sharded_trainer(0)
+    data = batches()
+    train(pipe, opt, sched, data[:2])
+    fxpipe.save_checkpoint(path, pipe, opt, sched)
+    return train(pipe, opt, sched, data[2:])
+
+
+def sharded_resume(path: str) -> list[float]:
+    pipe, opt, sched = sharded_trainer(1)
+    fxpipe.load_checkpoint(path, pipe, opt, sched)
+    return train(pipe, opt, sched, batches()[2:])
+
+
+def test_a_sharded_save_resumes_sharded_and_in_one_process(tmp_path, float64) -> None:
+    path = str(tmp_path / "ckpt")
+    first, _ = launch(sharded_save, 2, (path,), timeout=120)
+    for resumed in launch(sharded_resume, 2, (path,), timeout=120):
+        assert resumed == pytest.approx(first, rel=1e-12, abs=0)
+    torch.manual_seed(1)
+    pipe, opt, sched = trainer(TiedLM(), TWO)
+    fxpipe.load_checkpoint(path, pipe, opt, sched)
+    assert train(pipe, opt, sched, batches()[2:]) == pytest.approx(first, rel=1e-12, abs=0)
