@@ -192,3 +192,36 @@ def test_optimizer_on_model_parameters_trains_as_eager_on_two_ranks(float64) -> 
         assert rank["own"] and rank["names"]
         assert rank["losses"] == pytest.approx(expected, rel=1e-12, abs=0)
     assert "emb.weight" in ranks[0]["names"] and "mid.weight" in ranks[1]["names"]
+
+
+class Scaled(nn.Module):
+    """A forward that reads Python attributes: one baked into the trace, one read by a leaf module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(0.1)
+        self.b = nn.Linear(4, 2)
+        self.scale = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)) * self.scale)
+
+
+@pytest.mark.parametrize(("path", "value"), [("scale", 2.0), ("act.negative_slope", 0.3)])
+def test_an_attribute_changed_after_compile_is_named_never_used_stale(path: str, value: float) -> None:
+    from fxpipe.runtime.attributes import AttributeChangedError
+
+    model, x = Scaled(), torch.randn(6, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["b"], microbatches=2), example_inputs=(x,), loss_fn=MSE)
+    pipe.step(x, target=torch.randn(6, 2))
+    torch.testing.assert_close(pipe(x), model(x))
+    owner, name = (model, path) if "." not in path else (model.act, path.split(".")[1])
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    with pytest.raises(AttributeChangedError, match=rf"attribute '{path}' changed after compile \(it was {old}, now {value}\)"):
+        pipe(x)
+    with pytest.raises(AttributeChangedError, match=path):
+        pipe.step(x, target=torch.randn(6, 2))
+    setattr(owner, name, old)  # set back: the compiled stages are right again
+    torch.testing.assert_close(pipe(x), model(x))

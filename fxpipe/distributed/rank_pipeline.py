@@ -130,7 +130,7 @@ class DistributedPipeline(PipelineBase):
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler, model)
         self._modules = [modules[s] for s in self.local_stages]
         self._params, self._state = model_names(model, held_tensors(self._modules, aliases), aliases)
         self._partial_state = True

@@ -44,7 +44,7 @@ class Pipeline(PipelineBase):
         self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
         # from here on the partition describes the placed stages: the pipeline refers to
         # the model's tensors, not to its modules
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler, model)
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
         self._executor = LocalExecutor(self.plan.timeout)
