@@ -138,8 +138,8 @@ def sweep(
     loss_fn = loss_fn or _mean_loss
     for point in points:
         if id(point) in timed:
-            # the pipeline places copies of the stages, so the model is not changed
-            pipe = build_pipeline(runs[id(point)], model, loss_fn)
+            # on copies of the model's tensors: timing changes nothing of the model
+            pipe = build_pipeline(runs[id(point)], model, loss_fn, own=False)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
     return points
 

@@ -35,6 +35,8 @@ def assert_grads_match(pipe: fxpipe.Pipeline, ref: nn.Module, rtol: float = 1e-4
     expected = dict(ref.named_parameters())
     got = dict(pipe.named_parameters())
     assert list(got) == [n for n, _ in ref.named_parameters()], "parameter names/order differ from eager"
+    shared = [name for name, param in got.items() if param is expected[name]]
+    assert not shared, f"the eager reference holds the pipeline's own parameters ({shared[:3]}): compare with a copy made before compiling"
     for name, param in got.items():
         ref_grad = expected[name].grad
         if ref_grad is None:

@@ -34,13 +34,14 @@ class Pipeline(PipelineBase):
     """A model split into stages on devices. See ``fxpipe.compile``.
 
     Attributes: stages (Stage list, modules on their devices), graph (the partitioned
-    fx.Graph with send/recv nodes), plan, frontend.
+    fx.Graph with send/recv nodes), plan, frontend. ``own``: the stages hold the model's
+    own tensors (moved in place); otherwise copies of them (the model is left unchanged).
     """
 
-    def __init__(self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any = None) -> None:
+    def __init__(self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any = None, own: bool = True) -> None:
         # the fake runs put their tensors where the model's were when it was traced
         traced_as = skeleton(model)
-        self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model)
+        self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model, own)
         self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
         # from here on the partition describes the placed stages: the pipeline refers to
         # the model's tensors, not to its modules

@@ -94,12 +94,13 @@ def alias_groups(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -> Placement:
+def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module, own: bool = True) -> Placement:
     """Stage modules on their logical devices, holding the model's own tensors, and the
     model's names mapped onto them.
 
     Each parameter and buffer is moved in place to the device of the first stage that
     uses it and shared by every stage on that device; stages on other devices get a copy.
+    With ``own=False`` every device gets copies and the model is left as it was.
     Logical CPU devices ("cpu:0", "cpu:1") are distinct here: each holds its own copy of a
     weight tied across them, as two GPUs would.
     """
@@ -109,7 +110,7 @@ def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -
     for module, device in zip(modules, devices):
         target = torch_device(device)
         for tensor in _distinct_tensors(module):
-            if id(tensor) not in claimed:
+            if own and id(tensor) not in claimed:
                 claimed.add(id(tensor))
                 move_in_place(tensor, target)
                 memos[device][id(tensor)] = tensor  # the copy holds the model's own object
