@@ -128,6 +128,7 @@ def _finish(staging: str, path: str) -> None:
             shutil.rmtree(old)
     else:
         os.rename(staging, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)  # a save killed between its two renames left it
     _sync_directory(os.path.dirname(path))
 
 

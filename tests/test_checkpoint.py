@@ -231,3 +231,18 @@ def test_a_sharded_save_resumes_sharded_and_in_one_process(tmp_path, float64) ->
     pipe, opt, sched = trainer(TiedLM(), TWO)
     fxpipe.load_checkpoint(path, pipe, opt, sched)
     assert train(pipe, opt, sched, batches()[2:]) == pytest.approx(first, rel=1e-12, abs=0)
+
+
+def test_without_an_atomic_exchange_two_renames_keep_the_previous_checkpoint_reachable(tmp_path, monkeypatch) -> None:
+    import fxpipe.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    pipe, opt, sched = trainer(TiedLM(), TWO)
+    path = tmp_path / "ckpt"
+    fxpipe.save_checkpoint(path, pipe, extra={"step": 1})
+    fxpipe.save_checkpoint(path, pipe, extra={"step": 2})
+    assert fxpipe.load_checkpoint(path, pipe) == {"step": 2} and not (tmp_path / "ckpt.old").exists()
+    path.rename(tmp_path / "ckpt.old")  # a save killed between its two renames
+    assert fxpipe.load_checkpoint(path, pipe) == {"step": 2}
+    fxpipe.save_checkpoint(path, pipe, extra={"step": 3})
+    assert fxpipe.load_checkpoint(path, pipe) == {"step": 3} and not (tmp_path / "ckpt.old").exists()
