@@ -14,6 +14,7 @@ call, names the first one that changed, so the pipeline never runs on a stale va
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -43,18 +44,23 @@ def _same(old: Any, new: Any) -> bool:
 
 
 class AttributeGuard:
-    """The plain attributes of ``model``'s submodules, as they are now."""
+    """The plain attributes of ``model``'s submodules, as they are now. The modules are
+    held weakly: the pipeline does not keep the user's model alive, and a module nobody
+    holds any more cannot change."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._watched: list[tuple[str, nn.Module, str, Any]] = []  # (module path, module, name, value)
+        self._watched: list[tuple[str, weakref.ref, str, Any]] = []  # (module path, module, name, value)
         for path, module in model.named_modules():
             for name, value in vars(module).items():
                 if not name.startswith("_") and name != "training" and _plain(value):
-                    self._watched.append((path, module, name, copy.copy(value)))
+                    self._watched.append((path, weakref.ref(module), name, copy.copy(value)))
 
     def check(self) -> None:
         """Raise AttributeChangedError naming the first watched attribute whose value changed."""
-        for path, module, name, old in self._watched:
+        for path, ref, name, old in self._watched:
+            module = ref()
+            if module is None:
+                continue
             new = vars(module).get(name, _MISSING)
             if not _same(old, new):
                 where = f"{path}.{name}" if path else name
