@@ -147,12 +147,12 @@ def materialize(
     device: torch.device,
     weights: Weights,
     aliases: Mapping[str, list[str]],
-    share: bool = True,
+    own: bool = True,
 ) -> dict[int, nn.Module]:
     """Copies of this rank's stage modules with real tensors on ``device``.
 
     modules: stage index -> stage module (referencing the user's model, possibly on meta);
-    aliases: every name of each tensor of the model (tied weights have several); share:
+    aliases: every name of each tensor of the model (tied weights have several); own:
     whether the copies hold the model's own (real) tensors, moved in place, or copies of
     them (FSDP replaces the parameters by their shards: the model's own, moved, would
     keep whole copies on the device).
@@ -170,7 +170,7 @@ def materialize(
                     if tensor.is_meta:
                         memo[id(tensor)] = _allocated(tensor, device)
                         fresh[id(memo[id(tensor)])] = (s, f"{path}.{name}" if path else name)
-                    elif share:
+                    elif own:
                         move_in_place(tensor, device)
                         memo[id(tensor)] = tensor  # the model's own object
                     else:

@@ -90,7 +90,7 @@ class DistributedPipeline(PipelineBase):
             self.watchdog.running("loading its stages' weights")
             aliases = alias_groups(model)
             traced_as = skeleton(model)  # the fake runs put their tensors where the model's were when traced
-            modules = materialize({s: part.stages[s].module for s in layout.my_stages}, self.device, weights, aliases, share=not plan.fsdp)
+            modules = materialize({s: part.stages[s].module for s in layout.my_stages}, self.device, weights, aliases, own=not plan.fsdp)
             startup.check_same_plan(self.watchdog, startup.plan_parts(part, layout), startup.plan_summary(part, layout))
         # every rank compiled the same plan and holds its stages: connect them
         try:
