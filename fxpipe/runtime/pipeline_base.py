@@ -26,6 +26,7 @@ from fxpipe.batching import loss_scale, microbatch
 from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.inspection.memory_report import MemoryReport, memory_report
 from fxpipe.inspection.views import PipelineViews
+from fxpipe.runtime.attributes import AttributeGuard
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.inputs import InputCheck
 from fxpipe.runtime.interpret import ActionHook
@@ -237,7 +238,9 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler, watched: nn.Module) -> None:
+        """``model``: a skeleton of the model as it was traced; ``watched``: the user's model,
+        whose plain attributes every call holds to their compile-time values."""
         self.part = part
         self._compiler = compiler
         self.plan = part.plan
@@ -248,6 +251,7 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._check_inputs = InputCheck(self._model, (tuple(part.example_inputs), dict(part.example_kwargs)), compiler.check_call)
+        self._attributes = AttributeGuard(watched)
         self._batched: dict[tuple, dict[str, bool]] = {}
         self._outputs_like: dict[tuple, Any] = {}  # a listed step's outputs as meta tensors, per input shapes
         self._programs: dict[Any, Program] = {}
@@ -319,7 +323,9 @@ class PipelineBase(PipelineViews):
 
     def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any) -> Batch:
         """This process's micro-batches of a call: the batch cut (:meth:`_split`), or the
-        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is given."""
+        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is
+        given, AttributeChangedError when an attribute of the model changed after compile."""
+        self._attributes.check()
         if microbatches is None:
             if targets is not None:
                 raise MicrobatchError("targets=[...] goes with microbatches=[...]; a batch's target is passed as target=")
