@@ -10,7 +10,8 @@ runs). ``pipe.memory()`` reports each stage's memory, measured against its predi
 
 from typing import Any
 
-from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
+from fxpipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fxpipe.compiler.driver import CompileError, partition
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.compiler.stage import Stage
@@ -22,6 +23,7 @@ from fxpipe.passes.annotate import AnnotateError
 from fxpipe.passes.traced import TraceError
 from fxpipe.plan import DeviceSpec, Plan, PlanError
 from fxpipe.planner.profile import Profile, profile
+from fxpipe.runtime.inputs import InputError
 from fxpipe.runtime.local import PipelineError
 from fxpipe.runtime.local_pipeline import Pipeline
 from fxpipe.schedules import Action, ScheduleError, check_schedule
@@ -42,10 +44,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Action",
     "AnnotateError",
+    "CheckpointError",
     "CompileError",
     "DeviceError",
     "DeviceSpec",
     "DistributedPipeline",
+    "InputError",
+    "LossFunctionError",
     "MemoryReport",
     "MicrobatchError",
     "Partitioned",
@@ -61,7 +66,9 @@ __all__ = [
     "check_schedule",
     "compile",
     "device_guard",
+    "load_checkpoint",
     "partition",
     "profile",
+    "save_checkpoint",
     "tune",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 import fxpipe
 from fxpipe import cli_model
+from fxpipe.batching.microbatch import batch_size
 from fxpipe.cli_model import CommandError
 from fxpipe.inspection.page import write_page
 from fxpipe.inspection.timeline import Timeline
@@ -96,9 +98,40 @@ def error_lines(prefix: str, err: BaseException) -> list[str]:
         message, hints = lines[0], err.hints
     else:
         known = type(err).__module__.startswith("fxpipe")
-        message = lines[0] if known else f"{type(err).__name__}: {lines[0]}"
-        hints = lines[1:3] + ["rerun with --debug to see the traceback"]
+        message = in_flags(lines[0]) if known else f"{type(err).__name__}: {lines[0]}"
+        hints = [in_flags(line) for line in lines[1:3]] + ["rerun with --debug to see the traceback"]
     return [f"{prefix}: error: {message}"] + [f"  {hint}" for hint in hints[:3]]
+
+
+# the Plan fields the command sets, by their flags
+_FLAGS = {"devices": "--devices", "split": "--split", "schedule": "--schedule", "microbatches": "--microbatches",
+          "chunks": "--chunks", "checkpoint": "--checkpoint", "frontend": "--frontend"}
+_VALUE = r"(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[\w.:-]+)"
+
+
+def _flag_value(text: str) -> str:
+    """``['cpu:0', 'cpu:1']`` -> ``cpu:0,cpu:1``; ``'auto'`` -> ``auto``."""
+    if text.startswith("["):
+        return ",".join(item.strip().strip("'\"") for item in text[1:-1].split(",") if item.strip())
+    return text.strip("'\"")
+
+
+def in_flags(message: str) -> str:
+    """An fxpipe error's message as the command's user writes it: ``plan.split[0] = 'x'``,
+    ``devices=['cpu:0', 'cpu:1']`` and ``Plan(split='auto')`` become ``--split x``,
+    ``--devices cpu:0,cpu:1`` and ``--split auto``; ``example_inputs`` becomes ``--input``."""
+    fields = "|".join(_FLAGS)
+
+    def flag(match: re.Match) -> str:
+        return f"{_FLAGS[match.group(1)]} {_flag_value(match.group(2))}"
+
+    message = re.sub(rf"\bplan\.({fields})(?:\[\d+\])?\s*=\s*{_VALUE}", flag, message)
+    message = re.sub(rf"(?<![\w.])({fields})={_VALUE}", flag, message)
+    message = re.sub(rf"\bplan\.({fields})\b", lambda m: _FLAGS[m.group(1)], message)
+    message = re.sub(r"\b(?:fxpipe\.)?Plan\((--[^()]*)\)", r"\1", message)
+    message = re.sub(r"example_inputs=\(x, \.\.\.\)", "--input SHAPE[:DTYPE]", message)
+    message = message.replace("convert the model (model.to(dtype))", "give --input the model's dtype, e.g. --input 8x3x224x224:float32")
+    return re.sub(r"\bexample_inputs\b", "--input", message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,9 +216,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tags (device_guard blocks), auto (cost model) or comma-separated module paths where stages "
                            "begin, e.g. layer2,layer3; default auto with several devices, tags otherwise")
     plan.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                      help="pipeline schedule (zb-v, v-half and v-min run with --chunks 2); default 1f1b")
-    plan.add_argument("--microbatches", type=_positive, default=4, metavar="M",
-                      help="micro-batches per step (the batch is cut along dim 0); default 4")
+                      help="pipeline schedule (zb-v, v-half, v-min and dualpipev run with --chunks 2); default 1f1b")
+    plan.add_argument("--microbatches", type=_positive, default=None, metavar="M",
+                      help="micro-batches per step (the batch is cut along dim 0); default 4, or the batch size when smaller")
     plan.add_argument("--chunks", type=_positive, default=1, metavar="V",
                       help="stages per device for interleaved-1f1b; default 1")
     plan.add_argument("--checkpoint", action="store_true", help="recompute activations in backward instead of keeping them")
@@ -213,6 +246,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     ``--html``. Returns 0."""
     model, shapes, inputs = _model_and_inputs(args)
     plan = plan_from_args(args)
+    plan = fit_batch(args, plan, inputs)
     part = _on_model(args, shapes, lambda: fxpipe.partition(model, plan, example_inputs=inputs))
     out = _out_dir(args.out, args.prefix)
     print(part.summary())
@@ -237,6 +271,7 @@ def run_train(args: argparse.Namespace) -> int:
     model.train()
     loss_fn = {"cross-entropy": torch.nn.CrossEntropyLoss(), "mse": torch.nn.MSELoss(), "lm": cli_model.next_token_loss, "output": None}[args.loss]
     plan = plan_from_args(args)
+    plan = fit_batch(args, plan, inputs)
     pipe = _on_model(args, shapes, lambda: fxpipe.compile(model, plan, example_inputs=inputs, loss_fn=loss_fn))
     print(pipe.summary())
     output = next(n for n in pipe.graph.nodes if n.op == "output").meta.get(VAL)
@@ -357,6 +392,14 @@ def plan_from_args(args: argparse.Namespace) -> Any:
             devices = [f"cpu:{i}" for i in range(workers)]
         elif len(devices) not in (workers, args.stages):
             raise CommandError(f"--devices lists {len(devices)} device(s) but --stages {args.stages} needs {workers}")
+    workers = args.stages // args.chunks if args.stages is not None else len(devices or ())
+    if args.chunks > 1 and workers == 1:
+        given = f"--stages {args.stages}" if args.stages is not None else f"--devices {args.devices}"
+        raise CommandError(
+            f"{given} with --chunks {args.chunks} puts every stage on one worker, which has nothing to overlap with",
+            [f"--schedule {args.schedule} runs --chunks stages per worker: give --stages {2 * args.chunks} for two workers "
+             f"(e.g. --devices cpu:0,cpu:1), or --chunks 1"],
+        )
     if args.split is None:
         split: Any = "auto" if devices and len(devices) * args.chunks > 1 else "tags"
     elif args.split in ("tags", "auto"):
@@ -366,6 +409,26 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     return fxpipe.Plan(
         devices=devices, split=split, schedule=args.schedule, microbatches=args.microbatches,
         chunks=args.chunks, checkpoint=args.checkpoint, frontend=args.frontend,
+    )
+
+
+def fit_batch(args: argparse.Namespace, plan: Any, inputs: tuple) -> Any:
+    """Returns ``plan`` with the micro-batch count the batch allows when --microbatches was
+    left out (4, or the batch size when smaller).
+
+    Raises:
+        CommandError: when --microbatches asks for more micro-batches than --input has
+            samples (``pipe.step`` would refuse the batch; ``inspect`` would plan what cannot run).
+    """
+    samples = batch_size(inputs)
+    if samples is None or plan.microbatches <= samples:
+        return plan
+    if args.microbatches is None:
+        return plan.replace(microbatches=samples)
+    raise CommandError(
+        f"--microbatches {plan.microbatches} cuts a batch of {samples} samples ({cli_model.describe_inputs(args.input)}) "
+        "into more micro-batches than samples",
+        [f"give --microbatches {samples} or fewer, or a larger batch (dim 0 of --input)"],
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from fxpipe.batching.batched_outputs import batched_outputs, output_like
+from fxpipe.batching.batched_outputs import batched_outputs, check_call, output_like
 from fxpipe.compiler.collector import collector_paused
 from fxpipe.compiler.driver import CompileError, on_meta, partition, partition_like
 from fxpipe.compiler.partitioned import Partitioned
@@ -35,6 +35,7 @@ COMPILER = Compiler(
     batched_outputs=batched_outputs,
     fake_replay=lambda: FakeReplay(device="cpu"),
     output_like=output_like,
+    check_call=check_call,
 )
 
 
@@ -70,6 +71,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     distributed = requested()
     check_weights_apply(weights, distributed)
     plan = Plan.coerce(plan)
+    check_loss_fn(loss_fn)
     with collector_paused():  # over the whole compile: one collection after it, not one per phase
         if distributed:
             return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
@@ -77,6 +79,12 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
             raise PlanError(
                 "plan.fsdp=True shards each stage over its data-parallel replicas, which run as separate processes: "
                 "launch under torchrun (or fxpipe.distributed.launch) with plan.data_parallel > 1, or leave fsdp out"
+            )
+        if plan.data_parallel > 1:
+            raise PlanError(
+                f"plan.data_parallel={plan.data_parallel} replicates the pipeline over separate processes, but this one runs "
+                "alone (world size 1): launch under torchrun (or fxpipe.distributed.launch) with one process per stage and "
+                "replica, or leave data_parallel out"
             )
         part = partition(model, plan, example_inputs, example_kwargs, profile)
         if on_meta(model):
@@ -103,16 +111,27 @@ def _compile_distributed(
     return DistributedPipeline(part, model, COMPILER, loss_fn, weights=weights, watchdog=watchdog)
 
 
-def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None) -> Pipeline:
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise CompileError unless ``loss_fn`` is None or callable as ``loss_fn(output, target)``."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise CompileError(
+            f"loss_fn = {loss_fn!r} ({type(loss_fn).__name__}) is not callable: pass a function of (output, target) "
+            "returning a scalar tensor, e.g. loss_fn=nn.CrossEntropyLoss(), or leave it out (the model returns its loss)"
+        )
+
+
+def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None, own: bool = True) -> Pipeline:
     """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
-    devices; the stages are placed as copies, so ``model`` is not changed. Raises
-    DeviceError when a stage's device is not present. Python's garbage collector is paused
-    while the stages are copied (``fxpipe.compiler.collector``)."""
+    devices. ``own``: the stages hold the model's own parameters and buffers, moved in place
+    to their devices (what ``compile`` does); otherwise copies, and ``model`` is not changed
+    (what ``tune`` times). Raises DeviceError when a stage's device is not present. Python's
+    garbage collector is paused while the stages are copied (``fxpipe.compiler.collector``)."""
+    check_loss_fn(loss_fn)
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with collector_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return Pipeline(part, model, COMPILER, loss_fn)
+        return Pipeline(part, model, COMPILER, loss_fn, own=own)
 
 
-__all__ = ["COMPILER", "build_pipeline", "compile"]
+__all__ = ["COMPILER", "build_pipeline", "check_loss_fn", "compile"]

@@ -70,7 +70,8 @@ class Plan:
     split: "tags" (device_guard blocks), "auto" (cost model) or a list of module paths;
         a new stage begins at the first node of each listed module.
     schedule: a name, "gpipe" | "1f1b" | "interleaved-1f1b" | "zb-h1", or one of the V
-        schedules "zb-v" | "v-half" | "v-min" (with chunks=2), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
+        schedules "zb-v" | "v-half" | "v-min" | "dualpipev" (with chunks=2; "dualpipev" runs
+        at least ``2p - 1`` micro-batches on ``p`` workers), or your own schedule: one list of ``fxpipe.Action`` per worker, or a
         function ``(num_stages, num_microbatches)`` returning such lists. Your own is
         checked (complete, deadlock-free) before anything runs; its lists place the stages
         (worker ``w`` runs the stages in list ``w``). See docs/schedules.md.
@@ -135,6 +136,7 @@ class Plan:
     offload: bool | str = False
 
     def __post_init__(self) -> None:
+        self._check_containers()
         if self.devices is not None:
             if isinstance(self.devices, str):
                 raise PlanError(f"plan.devices must be a list of device names, got the string {self.devices!r}; write [{self.devices!r}]")
@@ -177,6 +179,30 @@ class Plan:
                     f"plan.output_merge[{path!r}] = {mode!r}: map output paths (strings such as '1' or 'aux') "
                     f"to one of {', '.join(MERGE_MODES)}"
                 )
+
+    def _check_containers(self) -> None:
+        """The fields that hold lists or dicts hold one (``Plan(devices=5)`` is named here,
+        not met later as "'int' object is not iterable")."""
+        lists = {
+            "devices": (self.devices, "a list of device names, one per stage, e.g. ['cpu:0', 'cpu:1']"),
+            "split": (self.split, "'tags', 'auto' or a list of module paths such as ['layer3']"),
+            "leaf_modules": (self.leaf_modules, "a list of module classes or qualified names, e.g. [nn.MultiheadAttention]"),
+        }
+        for name, (value, want) in lists.items():
+            if value is None or (name == "split" and isinstance(value, str)):
+                continue
+            unordered_ok = name == "leaf_modules" and isinstance(value, set | frozenset)
+            if isinstance(value, str | bytes | Mapping) or not (isinstance(value, Sequence) or unordered_ok):
+                raise PlanError(f"plan.{name} = {value!r} ({type(value).__name__}): give {want}")
+        dicts = {
+            "device_specs": "a dict of device name -> fxpipe.DeviceSpec, e.g. {'cuda:0': DeviceSpec(...)}",
+            "output_merge": "a dict of output path -> 'cat' | 'stack' | 'sum' | 'mean', e.g. {'1': 'mean'}",
+            "concrete_args": "a dict of forward argument name -> value, or None",
+        }
+        for name, want in dicts.items():
+            value = getattr(self, name)
+            if not (isinstance(value, Mapping) or (value is None and name == "concrete_args")):
+                raise PlanError(f"plan.{name} = {value!r} ({type(value).__name__}): give {want}")
 
     def _check_memory_fields(self) -> None:
         """``checkpoint`` and ``offload`` (a per-stage list's length is checked at compile

@@ -2,7 +2,8 @@
 
 A schedule is a ``list[list[Action]]``: list ``w`` is what worker ``w`` executes, in
 order. The generators below build GPipe, 1F1B, interleaved 1F1B, the zero-bubble
-schedules ZB-H1 and ZB-V, and the memory-controlled V-Half and V-Min; a user may write their own (``resolve_schedule`` accepts a name,
+schedules ZB-H1 and ZB-V, the memory-controlled V-Half and V-Min, and DeepSeek's DualPipeV;
+a user may write their own (``resolve_schedule`` accepts a name,
 lists of actions or a function returning them). ``check_schedule`` proves that a list is
 complete and cannot deadlock. The simulator and both executors interpret the same lists;
 ``StageGraph`` and ``execution_order`` are the one dependency rule they all share, and the
@@ -18,9 +19,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min", "dualpipev")
 # the schedules that run two stages per worker in a V (chunks=2)
-V_SCHEDULES = ("zb-v", "v-half", "v-min")
+V_SCHEDULES = ("zb-v", "v-half", "v-min", "dualpipev")
 OPS = ("F", "B", "I", "W")
 
 
@@ -327,6 +328,137 @@ def zb_v(num_workers: int, num_microbatches: int) -> Schedule:
         remaining -= len(picked)
     check_schedule(schedule, stages, m)
     return schedule
+
+
+def dualpipe_v(num_workers: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI's "cut-in-half" DualPipe, as in torch.distributed.pipelining's
+    ``ScheduleDualPipeV``): ZB-V's placement, with the steady state run as forward/backward
+    pairs.
+
+    The model is cut into ``2p`` stages in a V: worker ``w`` runs stage ``w`` on the way
+    down and stage ``2p - 1 - w`` on the way back (its "earlier" and "later" stage). With
+    ``q = p - 1 - w`` (how far the worker is from the turn of the V), worker ``w`` runs, in
+    order:
+
+    1. ``2q`` forwards of its earlier stage;
+    2. ``w + 1`` times: a forward of the earlier stage, then one of the later stage;
+    3. ``q`` times: an "I" of the later stage, the oldest deferred "W", a forward of the
+       later stage (zero-bubble warm-up);
+    4. ``m - 2p + w + 1`` times, the steady state: the pair (forward of the earlier stage,
+       whole backward "B" of the later stage), then the pair (forward of the later stage,
+       "B" of the earlier stage). DeepSeek runs each pair's two halves overlapped (the
+       communication of one hides behind the computation of the other); here a pair is
+       two adjacent actions of one list;
+    5. ``q`` times: a "B" of the later stage, then the pair (forward of the later stage,
+       "B" of the earlier stage);
+    6. ``w + 1`` times: a backward of the later stage, then one of the earlier stage; the
+       first ``w + 1`` of these as whole "B"s, the last ``w + 1`` as "I"s whose "W" is
+       deferred;
+    7. ``q`` times: the oldest deferred "W", then an "I" of the earlier stage;
+    8. the ``w + 1`` deferred "W"s left.
+
+    With unit-time F, I and W, a "B" two ticks (``~~`` its second), 2 workers (4 stages)
+    and 4 micro-batches (upper case: the worker's earlier stage, lower case: its later
+    one)::
+
+        tick      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19 20 21 22 23 24
+        worker 0  F0 F1 F2 f0 i0 w0 f1 F3 b1 ~~ f2 B0 ~~ b2 ~~ f3 .  B1 ~~ b3 ~~ I2 W2 I3 W3
+        worker 1  .  F0 f0 F1 f1 F2 b0 ~~ f2 B0 ~~ F3 b1 ~~ f3 B1 ~~ b2 ~~ B2 ~~ i3 I3 w3 W3
+
+    The steady state runs whole backwards: one action where ZB-V runs an "I" and a "W".
+    Run one action at a time with unit costs, the step lasts ``6m + p - 1``
+    ticks, ZB-V's and the least possible (the tests check every ``p <= 16``,
+    ``2p <= m <= 64``); the warm-up's and the tail's "W"s fill what would be bubbles.
+
+    Memory: each worker holds at most ``2p + 1`` stage activations (each from its F until
+    its B or W), one more than ZB-V's ``2p``: in each pair the forward runs before the
+    backward that frees a micro-batch.
+
+    Returns:
+        One action list per worker, already proven complete and deadlock-free by
+        ``check_schedule``.
+    Raises:
+        ScheduleError: if a count is below 1, or ``num_microbatches`` is below ``2p - 1``
+            (phase 4 runs ``m - 2p + 1`` times on worker 0; torch's ``ScheduleDualPipeV``
+            and DeepSeek's ``DualPipeV`` ask for ``m >= 2p``).
+    """
+    _check_positive(num_workers=num_workers, num_microbatches=num_microbatches)
+    p, m = num_workers, num_microbatches
+    if m < min_microbatches("dualpipev", p):
+        raise ScheduleError(
+            f"dualpipev needs at least 2p - 1 = {2 * p - 1} micro-batches on {p} workers (worker 0 "
+            f"runs {2 * p - 1} forwards of stage 0 before its first backward), got {m}; use "
+            f"microbatches >= {2 * p - 1}, or 'zb-v' (chunks=2), which takes any count"
+        )
+    schedule = [_dualpipe_v_worker(p, m, w) for w in range(p)]
+    check_schedule(schedule, 2 * p, m)
+    return schedule
+
+
+class _VWorkerList:
+    """One worker's action list as it is written: each stage's next micro-batch per op, and
+    the "W"s its "I"s deferred, oldest first."""
+
+    def __init__(self, earlier: int, later: int) -> None:
+        self.earlier, self.later = earlier, later
+        self.actions: list[Action] = []
+        self._next: dict[tuple[str, int], int] = defaultdict(int)
+        self._deferred: deque[Action] = deque()
+
+    def forward(self, stage: int) -> None:
+        self._append("F", stage)
+
+    def backward(self, stage: int, split: bool = False) -> None:
+        """A whole "B", or an "I" whose "W" waits for ``weight``."""
+        action = self._append("I" if split else "B", stage)
+        if split:
+            self._deferred.append(Action("W", stage, action.microbatch))
+
+    def weight(self) -> None:
+        """The oldest deferred "W", if any."""
+        if self._deferred:
+            self.actions.append(self._deferred.popleft())
+
+    def _append(self, op: str, stage: int) -> Action:
+        key = ("F" if op == "F" else "B", stage)
+        action = Action(op, stage, self._next[key])
+        self._next[key] += 1
+        self.actions.append(action)
+        return action
+
+
+def _dualpipe_v_worker(p: int, m: int, w: int) -> list[Action]:
+    """Worker ``w``'s list under ``dualpipe_v``: its eight phases in order."""
+    todo = _VWorkerList(w, 2 * p - 1 - w)
+    down, up, q = todo.earlier, todo.later, p - 1 - w
+    for _ in range(2 * q):
+        todo.forward(down)
+    for _ in range(w + 1):
+        todo.forward(down)
+        todo.forward(up)
+    for _ in range(q):
+        todo.backward(up, split=True)
+        todo.weight()
+        todo.forward(up)
+    for _ in range(m - 2 * p + w + 1):
+        todo.forward(down)
+        todo.backward(up)
+        todo.forward(up)
+        todo.backward(down)
+    for _ in range(q):
+        todo.backward(up)
+        todo.forward(up)
+        todo.backward(down)
+    # the later stage's backward, then the earlier's: the second half as I's, whose W's
+    # fill the drain
+    for k in range(2 * (w + 1)):
+        todo.backward(up if k % 2 == 0 else down, split=k > w)
+    for _ in range(q):
+        todo.weight()
+        todo.backward(down, split=True)
+    for _ in range(w + 1):
+        todo.weight()
+    return todo.actions
 
 
 def v_half(num_workers: int, num_microbatches: int) -> Schedule:
@@ -699,12 +831,18 @@ def _check_divisible(num_stages: int, chunks: int) -> None:
 
 
 _ONE_STAGE_PER_WORKER = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
-_V_SHAPED = {"zb-v": zb_v, "v-half": v_half, "v-min": v_min}
+_V_SHAPED = {"zb-v": zb_v, "v-half": v_half, "v-min": v_min, "dualpipev": dualpipe_v}
+
+
+def min_microbatches(name: str, num_workers: int) -> int:
+    """Returns the fewest micro-batches the built-in schedule ``name`` runs on
+    ``num_workers`` workers: ``2p - 1`` for "dualpipev" (``dualpipe_v``), 1 for the others."""
+    return max(2 * num_workers - 1, 1) if name == "dualpipev" else 1
 
 
 def check_chunks(name: str, chunks: int) -> None:
     """The one rule for how many stages a worker holds under the schedule called ``name``:
-    one for "gpipe", "1f1b" and "zb-h1", two for "zb-v", "v-half" and "v-min" (in a V),
+    one for "gpipe", "1f1b" and "zb-h1", two for "zb-v", "v-half", "v-min" and "dualpipev" (in a V),
     any number for "interleaved-1f1b".
 
     Raises:
@@ -713,8 +851,8 @@ def check_chunks(name: str, chunks: int) -> None:
     if name in _ONE_STAGE_PER_WORKER and chunks != 1:
         raise ScheduleError(
             f"schedule {name!r} runs one stage per worker, got chunks={chunks}; use "
-            "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v', 'v-half' or "
-            "'v-min' (chunks=2) for several stages per worker"
+            "chunks=1, or schedule 'interleaved-1f1b' (any chunks) or 'zb-v', 'v-half', "
+            "'v-min' or 'dualpipev' (chunks=2) for several stages per worker"
         )
     if name in V_SCHEDULES and chunks != 2:
         raise ScheduleError(
@@ -728,13 +866,15 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
 
     ``num_stages`` counts all stages. "gpipe", "1f1b" and "zb-h1" give each stage its own
     worker (``chunks=1``); "interleaved-1f1b" spreads them over ``num_stages // chunks``
-    workers; "zb-v", "v-half" and "v-min" need ``chunks=2`` (two stages per worker, in a V).
+    workers; "zb-v", "v-half", "v-min" and "dualpipev" need ``chunks=2`` (two stages per
+    worker, in a V); "dualpipev" needs ``min_microbatches`` micro-batches.
 
     Returns:
         One action list per worker.
     Raises:
         ScheduleError: for an unknown name, a ``chunks`` the schedule does not take,
-            ``num_stages`` not divisible by ``chunks``, or a count below 1.
+            ``num_stages`` not divisible by ``chunks``, or a count below 1 (below
+            ``min_microbatches`` for "dualpipev").
     """
     if not isinstance(name, str):
         raise ScheduleError(

@@ -14,7 +14,9 @@ schedules differ in their bubble and in how many micro-batches they keep in memo
 
 from __future__ import annotations
 
+import textwrap
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,13 @@ from fxpipe.factory import build_pipeline
 from fxpipe.plan import Plan, PlanError, PlanScheduleError
 from fxpipe.planner.cost_model import spec_for
 from fxpipe.planner.memory_plan import with_memory_plan
-from fxpipe.schedules import SCHEDULES, ScheduleError, ScheduleSpec, describe_schedule
+from fxpipe.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    ScheduleSpec,
+    describe_schedule,
+    min_microbatches,
+)
 
 
 @dataclass
@@ -46,6 +54,12 @@ class TunePoint:
     measured_step: float | None = None
     schedule: ScheduleSpec = "1f1b"
     recompute: tuple = ()
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``1f1b x 8``: the candidate's schedule and micro-batch count."""
+        return f"{describe_schedule(self.schedule)} x {self.microbatches}"
 
 
 def _batch_size(example_inputs: tuple) -> int:
@@ -76,7 +90,8 @@ def sweep(
     """Predict every candidate (schedule, micro-batch count) and measure a few; one
     TunePoint each, in schedule then count order.
 
-    candidates: counts to predict (default 1 up to the batch size, at most 64);
+    candidates: counts to predict (default 1 up to the batch size, at most 64; a named
+    schedule skips the counts below its ``min_microbatches``, as "dualpipev" below 2p - 1);
     schedules: schedules to predict (default the plan's and every built-in schedule that
     runs its stages on the same workers); measure: how many of the best predicted pairs
     that fit to compile and time, or the exact counts to time (under the plan's schedule);
@@ -120,28 +135,62 @@ def sweep(
         if part is None:
             continue
         for m in counts:
-            # the split that was partitioned, under another schedule and count (split="auto"
-            # would otherwise re-split for each, and the measurement would not be of the prediction)
-            at = _under(part, spec, m)
-            planned = _memory_planned(at)
-            at = planned or at
-            estimates = at.estimates()
-            memory = max(e.memory for e in estimates)
-            fits = all(e.memory <= limit for e, limit in zip(estimates, limits)) and (planned is not None or not _plans_memory(plan))
-            points.append(TunePoint(m, at.simulate().step_time, memory, fits, schedule=spec, recompute=tuple(st.recompute for st in at.stages)))
-            runs[id(points[-1])] = at
+            if isinstance(spec, str) and m < min_microbatches(spec, part.num_workers):
+                continue  # a count the named schedule does not run (dualpipev's least is 2p - 1)
+            point, runs_on = _predicted(part, spec, m, plan, limits, strict=schedules is not None)
+            points.append(point)
+            runs[id(point)] = runs_on
     if isinstance(measure, int):
-        ranked = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
-        timed = {id(p) for p in ranked[:measure]}
+        order = sorted((p for p in points if p.fits), key=lambda p: p.predicted_step)
+        wanted = measure
     else:
-        timed = {id(p) for p in points if p.schedule == plan.schedule and p.microbatches in set(measure)}
+        order = [p for p in points if p.schedule == plan.schedule and p.microbatches in set(measure)]
+        wanted = len(order)
     loss_fn = loss_fn or _mean_loss
-    for point in points:
-        if id(point) in timed:
-            # the pipeline places copies of the stages, so the model is not changed
-            pipe = build_pipeline(runs[id(point)], model, loss_fn)
+    done = 0
+    for point in order:  # a candidate that fails is named and skipped: the next best is timed instead
+        if done >= wanted:
+            break
+        try:
+            # on copies of the model's tensors: timing changes nothing of the model
+            pipe = build_pipeline(runs[id(point)], model, loss_fn, own=False)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
+            done += 1
+        except Exception as err:  # noqa: BLE001 - any failure of one candidate: reported, the sweep goes on
+            _skip(point, err, "failed when run")
     return points
+
+
+def _predicted(part: Any, spec: ScheduleSpec, m: int, plan: Plan, limits: list[float], strict: bool) -> tuple[TunePoint, Any]:
+    """The TunePoint of ``part`` under ``spec`` with ``m`` micro-batches, and the Partitioned
+    it predicted (None when it could not be predicted: the point then carries its error
+    and a warning names it). Raises PlanScheduleError when the caller named the schedule
+    (``strict``) and it cannot run the partition."""
+    point = TunePoint(m, float("nan"), float("nan"), False, schedule=spec)
+    try:
+        # the split that was partitioned, under another schedule and count (split="auto"
+        # would otherwise re-split for each, and the measurement would not be of the prediction)
+        at = _under(part, spec, m)
+        planned = _memory_planned(at)
+        at = planned or at
+        estimates = at.estimates()
+        point.predicted_memory = max(e.memory for e in estimates)
+        point.predicted_step = at.simulate().step_time
+        point.recompute = tuple(st.recompute for st in at.stages)
+        point.fits = all(e.memory <= limit for e, limit in zip(estimates, limits)) and (planned is not None or not _plans_memory(plan))
+    except Exception as err:  # noqa: BLE001 - one candidate that cannot be predicted: reported, skipped
+        if strict and isinstance(err, PlanScheduleError):
+            raise
+        point.fits = False
+        _skip(point, err, "could not be predicted")
+        return point, None
+    return point, at
+
+
+def _skip(point: TunePoint, err: BaseException, what: str) -> None:
+    """Record why ``point`` has no measurement (``point.error``) and say so in a warning."""
+    point.error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+    warnings.warn(f"fxpipe.tune: candidate {point.name} {what} ({point.error}); skipped, the sweep goes on", stacklevel=3)
 
 
 def _plans_memory(plan: Plan) -> bool:
@@ -168,7 +217,7 @@ def _runnable_schedules(part: Any, plan: Plan) -> list[ScheduleSpec]:
         if name == plan.schedule:
             continue
         try:
-            part.under(name, 1).actions()
+            part.under(name, min_microbatches(name, part.num_workers)).actions()
         except ScheduleError:
             continue
         runnable.append(name)
@@ -229,12 +278,14 @@ def tune(
     if plot is not None:
         plot_sweep(points, plot)
     measured = [p for p in points if p.measured_step is not None]
+    failed = [p for p in points if p.error is not None]
     if measured:
         best = min(measured, key=lambda p: p.measured_step)
     else:
-        fitting = [p for p in points if p.fits]
+        fitting = [p for p in points if p.fits and p.error is None]
         if not fitting:
-            raise PlanError("no schedule and micro-batch count fit the devices' memory; see Partitioned.explain() for where it goes")
+            why = f"; every candidate tried failed: {'; '.join(f'{p.name}: {p.error}' for p in failed[:3])}" if failed else ""
+            raise PlanError(f"no schedule and micro-batch count fit the devices' memory and ran{why}; see Partitioned.explain() for where memory goes")
         best = min(fitting, key=lambda p: p.predicted_step)
     return plan.replace(schedule=best.schedule, microbatches=best.microbatches)
 
@@ -259,7 +310,18 @@ def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None 
         measured = [p for p in own if p.measured_step is not None]
         if measured:
             ax.plot([p.microbatches for p in measured], [p.measured_step * 1e3 for p in measured], "o", color=line.get_color(), label=label.replace("predicted", "measured"))
-    unfit = [p for p in points if not p.fits]
+    unfit = [p for p in points if not p.fits and p.error is None]
+    failed = [p for p in points if p.error is not None]
+    if failed:  # named where they stand (at their prediction, or at the curve's floor when unpredicted)
+        floor = min((p.predicted_step for p in points if p.predicted_step == p.predicted_step), default=1e-3)
+        ys = [(p.predicted_step if p.predicted_step == p.predicted_step else floor) * 1e3 for p in failed]
+        ax.plot([p.microbatches for p in failed], ys, "X", color="black", markersize=9, label="failed (skipped)")
+        for p, y in zip(failed, ys):
+            cause = p.error.split("): ")[-1]  # a stage's failure: the error it raised, not where
+            text = textwrap.shorten(f"{p.name}: {cause}", 90, placeholder=" …")
+            ax.annotate("\n".join(textwrap.wrap(text, 34)), (p.microbatches, y), textcoords="offset points",
+                        xytext=(-10, -10), ha="right", va="top", fontsize=7,
+                        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8, "linewidth": 0})
     if unfit:
         ax.plot([p.microbatches for p in unfit], [p.predicted_step * 1e3 for p in unfit], "x", color="red", label="exceeds memory")
     ax.set_xscale("log", base=2)
@@ -272,3 +334,8 @@ def plot_sweep(points: Sequence[TunePoint], path: str | Path, title: str | None 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+# ``fxpipe.tune`` is the function above (it shadows this module's name in ``fxpipe``), so
+# the sweep it runs is reachable from it too: ``fxpipe.tune.sweep(...)``
+tune.sweep = sweep  # type: ignore[attr-defined]

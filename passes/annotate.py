@@ -24,6 +24,7 @@ its own reference, so parameters are never sent as activations.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -70,15 +71,25 @@ def annotate_by_tags(graph: fx.Graph) -> StageAssignment:
     return StageAssignment(len(devices), devices, [f"device_guard({d!r}) block" for d in devices])
 
 
+def _nearest_modules(path: str, known_modules: set[str]) -> str:
+    """The module paths nearest to ``path`` (by spelling, then by containment), else the
+    model's top-level modules, as the fix of an unknown split point."""
+    known = sorted(m for m in known_modules if m)
+    near = difflib.get_close_matches(path, known, n=5, cutoff=0.6)
+    near += [m for m in known if (path in m or m in path) and m not in near]
+    if near:
+        return f"nearest: {', '.join(sorted(near[:5]))}"
+    top = [m for m in known if "." not in m]
+    return f"the model's top-level modules are {', '.join(top[:10])}{', …' if len(top) > 10 else ''}"
+
+
 def annotate_by_split_points(graph: fx.Graph, split_points: Sequence[str], known_modules: set[str]) -> StageAssignment:
     """A new stage begins at the first node of each module path in ``split_points``."""
     nodes = list(graph.nodes)
     starts: list[int] = []
     for i, path in enumerate(split_points):
         if path not in known_modules:
-            close = sorted(m for m in known_modules if m and (path in m or m in path))[:5]
-            hint = f" (similar: {', '.join(close)})" if close else ""
-            raise AnnotateError(f"plan.split[{i}] = {path!r} is not a module of the model{hint}")
+            raise AnnotateError(f"plan.split[{i}] = {path!r} is not a module of the model; {_nearest_modules(path, known_modules)}")
         first = next(
             (k for k, n in enumerate(nodes) if n.op in COMPUTE_OPS and _within(n.meta.get(MODULE_PATH, ""), path)),
             None,

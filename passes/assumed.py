@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fxpipe.passes.traced import TraceError
 
-class AssumptionError(RuntimeError):
-    """A size the trace branched on takes another value in this call."""
+
+class AssumptionError(TraceError):
+    """A size the trace branched on takes another value in this call: a TraceError (the
+    trace does not serve the call), so ``except fxpipe.TraceError`` catches it."""
 
 
 def check_assumed(value: Any, expected: Any, where: str) -> None:

@@ -20,6 +20,7 @@ Writes ``node.meta["val"]`` for the call (the shape propagation pass).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.meta import MODULE_PATH, VAL
 from fxpipe.passes.module_state import preserved_module_state
@@ -40,12 +42,54 @@ class TraceMismatch(TraceError):
     """A trace computes something else than the model for a call: trace that call again."""
 
 
+_SAME_DTYPE_OPS = {
+    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.addbmm,
+    torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.vdot,
+}
+_NORM_OPS = {  # (input, ..., weight at this position)
+    torch.ops.aten.native_layer_norm: 2, torch.ops.aten.native_batch_norm: 1, torch.ops.aten._native_batch_norm_legit: 1,
+    torch.ops.aten._native_batch_norm_legit_no_training: 1, torch.ops.aten.native_group_norm: 1,
+}
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+class KernelDtypeError(RuntimeError):
+    """A kernel would refuse its operands' dtypes (found on fake tensors by :class:`KernelDtypes`)."""
+
+
+class KernelDtypes(TorchDispatchMode):
+    """Under a FakeTensorMode, the dtype rules real kernels keep and fake ones do not: a
+    matrix product's operands share one dtype ("mat1 and mat2 must have the same dtype"),
+    a norm's input is floating and its weight of the input's dtype (float32 weights under
+    a float16/bfloat16 input are fine), a convolution's input and weight share one dtype.
+    Raises KernelDtypeError where the kernel would raise, so that a fake run fails where the
+    real one will."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        packet = func.overloadpacket
+        if packet in _SAME_DTYPE_OPS:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            if len(dtypes) > 1:
+                raise KernelDtypeError(f"{packet.__name__}: operands of different dtypes ({', '.join(sorted(str(d) for d in dtypes))}); a matrix product needs one")
+        elif packet in _NORM_OPS:
+            x, position = args[0], _NORM_OPS[packet]
+            weight = args[position] if len(args) > position else None
+            if not x.is_floating_point():
+                raise KernelDtypeError(f"{packet.__name__}: input of dtype {x.dtype}; a norm needs a floating input")
+            if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype and not (x.dtype in _REDUCED and weight.dtype == torch.float32):
+                raise KernelDtypeError(f"{packet.__name__}: input of dtype {x.dtype}, weight of dtype {weight.dtype}; mixed dtypes fail")
+        elif packet is torch.ops.aten.convolution and args[1].dtype != args[0].dtype:
+            raise KernelDtypeError(f"convolution: input of dtype {args[0].dtype}, weight of dtype {args[1].dtype}; mixed dtypes fail")
+        return func(*args, **(kwargs or {}))
+
+
 def eager_on_fake(
     model: nn.Module,
     args: tuple,
     kwargs: Mapping[str, Any],
     devices: Mapping[str, Any] | None = None,
     shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+    kernel_dtypes: bool = False,
 ) -> Any:
     """What ``model(*args, **kwargs)`` returns, computed on fake tensors: shapes, dtypes and
     structure, no values. The model's parameters, buffers, attributes and the global RNG
@@ -55,7 +99,8 @@ def eager_on_fake(
     tensors stand on the meta device (a skeleton): the fakes are made there, so a forward
     that creates tensors on the default device meets them where eager would. shape_of:
     the shape to fake each input tensor at (default its own), to ask "what if the batch
-    were larger".
+    were larger". kernel_dtypes: also keep the dtype rules of real kernels
+    (:class:`KernelDtypes`), so that a forward real tensors of these dtypes would fail fails.
     """
     # defaults bound too: a tensor default must be faked like any input
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
@@ -82,7 +127,7 @@ def eager_on_fake(
             return torch.empty(shape, dtype=t.dtype, device=device)
 
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_input, (tuple(args), dict(kwargs)))
-        with preserved_module_state(model):
+        with preserved_module_state(model), (KernelDtypes() if kernel_dtypes else contextlib.nullcontext()):
             return torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
 
 

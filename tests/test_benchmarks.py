@@ -34,6 +34,16 @@ def test_zero_bubble_benchmark_runs_fxpipe_and_tdp_schedules_and_prints_the_rati
 
 
 @pytest.mark.timeout(300)
+def test_dualpipev_benchmark_runs_fxpipe_and_tdp_dualpipev_and_prints_the_ratios() -> None:
+    out = run("dualpipev.py", "--quick")
+    row = next(line for line in out.splitlines() if line.startswith("tiny"))
+    times = [float(v) for v in row.split()[2:]]
+    assert len(times) == 3 and all(t > 0 for t in times), row  # zb-v, dualpipev, TDP dualpipev
+    assert re.search(r"dualpipev/TDP dualpipev \d+\.\d+x  dualpipev/zb-v \d+\.\d+x", out), out
+    assert len(re.findall(r"b \d+%", out)) == 2, out
+
+
+@pytest.mark.timeout(300)
 def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile() -> None:
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out

@@ -184,6 +184,18 @@ MISTAKES = [
     (["inspect", "net.py", "--schedule", "2f2b"], "argument --schedule: invalid choice: '2f2b'"),
     (["train", "net.py", "--input", "8x10", "--loss", "lm"], "--loss lm needs token ids in and logits"),
     (["train", "tiny_lm.py", "--input", "4x6"], "does not run on --input 4x6: RuntimeError: Expected tensor"),
+    # inspect checks what compile checks, and speaks in flags (issue 32)
+    (["inspect", "net.py", "--input", "8x10", "--stages", "2", "--microbatches", "100"],
+     "--microbatches 100 cuts a batch of 8 samples (--input 8x10) into more micro-batches than samples"),
+    (["inspect", "net.py", "--input", "8x10:float16", "--stages", "2"],
+     "--input (float16[8, 10]) meet Sequential's float32 parameters where real kernels refuse mixed dtypes"),
+    (["inspect", "net.py", "--input", "8x10", "--stages", "2", "--schedule", "interleaved-1f1b", "--chunks", "2"],
+     "--stages 2 with --chunks 2 puts every stage on one worker"),
+    (["inspect", "net.py", "--input", "8x10", "--devices", "cpu:0,cpu:1", "--split", "22"],
+     "--split 22 is not a module of the model; nearest: 2"),
+    (["inspect", "net.py", "--input", "8x10", "--devices", "cpu:0,cpu:1,cpu:2", "--split", "2"],
+     "--devices lists 3 device(s) but --split 2 gives 2 stage(s) on 2 worker(s) of the schedule 1f1b; list one device per "
+     "stage or one per worker, e.g. --devices cpu:0,cpu:1"),
 ]
 
 
@@ -324,3 +336,20 @@ def test_inspect_names_an_llms_decoder_layers_as_ranges(capsys):
     assert "model.embed_tokens, model.rotary_emb, model.layers.0 – model.layers.1\n" in text
     assert "model.layers.2 – model.layers.3, model.norm, lm_head\n" in text
     assert "send to stage 1: model.layers.1 · add f32[2, 16, 32]" in text  # the residual stream, by its layer
+
+
+def test_hints_speak_in_flags_not_python():
+    assert cli.in_flags("plan.split[0] = 'layer9' is not a module; use Plan(split='auto') or devices=['cpu:0', 'cpu:1']") == (
+        "--split layer9 is not a module; use --split auto or --devices cpu:0,cpu:1"
+    )
+    assert cli.in_flags("plan.schedule = 'zb-v' with plan.chunks = 1") == "--schedule zb-v with --chunks 1"
+    assert cli.in_flags("pass example_inputs=(x, ...) shaped like a batch") == "pass --input SHAPE[:DTYPE] shaped like a batch"
+
+
+def test_inspect_refuses_float16_inputs_for_a_float32_resnet(capsys):
+    argv = ["inspect", "torchvision:resnet18", "--model-arg", "num_classes=10", "--input", "4x3x32x32:float16", "--stages", "2", "--split", "layer3"]
+    assert _status(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[0]
+    assert error.startswith("fxpipe inspect: error: --input (float16[4, 3, 32, 32]) meet ResNet's float32 parameters"), error
+    assert "convolution: input of dtype torch.float16, weight of dtype torch.float32" in error
+    assert "give --input the model's dtype, e.g. --input 8x3x224x224:float32" in error

@@ -172,9 +172,11 @@ def test_fewer_microbatches_than_stages_is_allowed() -> None:
 
 
 def test_failing_stage_is_named_not_hung() -> None:
+    from fxpipe.runtime.inject import injected
+
     pipe = fxpipe.compile(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=2), example_inputs=(X,), loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(fxpipe.PipelineError, match=r"stage 0 .*F0:0"):
-        pipe.step(torch.randn(8, 5), target=torch.zeros(8, dtype=torch.long))  # wrong feature size
+    with injected("raise:action=F0:0"), pytest.raises(fxpipe.PipelineError, match=r"stage 0 .*F0:0"):
+        pipe.step(X, target=torch.zeros(8, dtype=torch.long))
 
 
 def test_step_without_loss_explains() -> None:
@@ -307,3 +309,166 @@ def test_a_malformed_checkpoint_in_a_distributed_compile_names_the_file_on_every
     path.write_bytes(path.read_bytes()[:-10])
     for message in launch(compile_from, 2, (str(path),), timeout=120):
         assert f"weights='{path}' is not a readable .safetensors file" in message, message
+
+
+# ------------------------------------------- every mistake gets a one-line answer (issue 32)
+def one_line(err: BaseException) -> str:
+    message = str(err)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"devices": 5}, r"plan\.devices = 5 \(int\): give a list of device names, one per stage, e\.g\. \['cpu:0', 'cpu:1'\]"),
+        ({"split": 5}, r"plan\.split = 5 \(int\): give 'tags', 'auto' or a list of module paths"),
+        ({"device_specs": 5}, r"plan\.device_specs = 5 \(int\): give a dict of device name -> fxpipe\.DeviceSpec"),
+        ({"output_merge": ["1"]}, r"plan\.output_merge = \['1'\] \(list\): give a dict of output path"),
+        ({"leaf_modules": "Branchy"}, r"plan\.leaf_modules = 'Branchy' \(str\): give a list of module classes or qualified names"),
+        ({"concrete_args": 3}, r"plan\.concrete_args = 3 \(int\): give a dict of forward argument name -> value, or None"),
+    ],
+)
+def test_plan_fields_of_the_wrong_type_are_named(fields: dict, match: str) -> None:
+    with pytest.raises(fxpipe.PlanError, match=match) as info:
+        fxpipe.Plan(**fields)
+    one_line(info.value)
+
+
+def test_a_loss_fn_that_is_not_callable_is_refused_at_compile() -> None:
+    with pytest.raises(fxpipe.CompileError, match=r"loss_fn = 5 \(int\) is not callable: pass a function of \(output, target\)") as info:
+        fxpipe.compile(mlp(), {}, example_inputs=(X16,), loss_fn=5)
+    one_line(info.value)
+    pipe = fxpipe.compile(mlp(), {}, example_inputs=(X16,))
+    with pytest.raises(fxpipe.LossFunctionError, match=r"loss_fn = 'ce' \(str\) is not callable"):
+        pipe.step(X16, target=torch.zeros(16, dtype=torch.long), loss_fn="ce")
+
+
+def test_example_inputs_none_asks_for_an_example_batch() -> None:
+    with pytest.raises(fxpipe.CompileError, match=r"example_inputs=None: pass example_inputs=\(x, \.\.\.\), the arguments of Sequential\.forward") as info:
+        fxpipe.compile(mlp(), {}, example_inputs=None)
+    one_line(info.value)
+
+
+def test_data_parallel_in_one_process_is_refused() -> None:
+    with pytest.raises(fxpipe.PlanError, match=r"plan\.data_parallel=2 .* this one runs alone \(world size 1\): launch under torchrun") as info:
+        fxpipe.compile(mlp(), {"data_parallel": 2}, example_inputs=(X16,))
+    one_line(info.value)
+    assert fxpipe.partition(mlp(), {"data_parallel": 2}, example_inputs=(X16,)).plan.data_parallel == 2  # planning stays possible
+
+
+def ran_no_stage(pipe: fxpipe.Pipeline) -> bool:
+    return all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(), lambda out, t: nn.functional.cross_entropy(out, t)], ids=["module", "function"])
+def test_a_step_without_target_names_loss_fn_before_any_stage_runs(loss_fn) -> None:
+    pipe = two_stage_pipe(loss_fn=loss_fn)
+    with pytest.raises(fxpipe.LossFunctionError, match=r"pipe\.step got no target, and loss_fn \((CrossEntropyLoss|<lambda>)\) needs one: pass target=t") as info:
+        pipe.step(X16)
+    one_line(info.value)
+    assert ran_no_stage(pipe)
+
+
+def test_a_loss_fn_that_ignores_its_target_runs_without_one() -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    pipe = two_stage_pipe(model, loss_fn=lambda out, _: out.pow(2).mean())
+    torch.testing.assert_close(pipe.step(X16), ref(X16).pow(2).mean())
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "returned", "fix"),
+    [
+        (nn.CrossEntropyLoss(reduction="none"), r"returned a Tensor\[4\]", r"reduce it to one number \(reduction='mean' or 'sum'"),
+        (lambda out, t: float(out.sum()), r"returned a Python float \(", r"return the tensor itself, not \.item\(\)"),
+        (lambda out, t: None, "returned None", "return the loss tensor"),
+    ],
+    ids=["reduction-none", "float", "none"],
+)
+def test_a_loss_fn_result_that_is_not_a_scalar_tensor_is_named(loss_fn, returned: str, fix: str) -> None:
+    pipe = two_stage_pipe(loss_fn=loss_fn)
+    with pytest.raises(fxpipe.PipelineError, match=rf"loss_fn \(\S+\) {returned}.*not a scalar tensor that backward can start from: {fix}") as info:
+        pipe.step(X16, target=torch.zeros(16, dtype=torch.long))
+    one_line(info.value)
+
+
+def test_load_state_dict_of_another_shape_names_the_key_and_both_shapes() -> None:
+    pipe = two_stage_pipe()
+    state = pipe.state_dict()
+    state["2.weight"] = torch.zeros(8, 5)
+    before = pipe.state_dict()["0.weight"].clone()
+    with pytest.raises(ValueError, match=r"load_state_dict: 1 tensor\(s\) of another shape \(2\.weight: \[8, 5\] given, \[8, 8\] in the model\)") as info:
+        pipe.load_state_dict({k: v + 1 if k == "0.weight" else v for k, v in state.items()})
+    one_line(info.value)
+    torch.testing.assert_close(pipe.state_dict()["0.weight"], before)  # nothing loaded
+
+
+def test_assumption_error_is_a_trace_error() -> None:
+    from fxpipe.passes.assumed import AssumptionError, check_assumed
+
+    assert issubclass(AssumptionError, fxpipe.TraceError)
+    with pytest.raises(fxpipe.TraceError, match="the trace followed the branch of"):
+        check_assumed(3, 1, "if n > 1 (model.py:4)")
+
+
+# ------------------------------------------- inputs the program was not traced for (issue 32)
+def nine_features() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(9, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        (torch.randn(16, 9, dtype=torch.float64), r"'input' is f64\[\*, 9\] where it was traced as f32\[\*, 9\].*: pass input\.to\(torch\.float32\)"),
+        (torch.ones(16, 9, dtype=torch.int64), r"'input' is i64\[\*, 9\] where it was traced as f32\[\*, 9\].*: pass input\.to\(torch\.float32\)"),
+        (torch.randn(16, 8), r"'input' is f32\[\*, 8\] where it was traced as f32\[\*, 9\].*: give input the traced sizes after the batch dimension \[9\]"),
+    ],
+    ids=["float64", "int64", "8-features"],
+)
+def test_an_input_the_model_was_not_traced_for_is_named_before_any_stage_runs(given: torch.Tensor, match: str) -> None:
+    pipe = fxpipe.compile(nine_features(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"]), example_inputs=(torch.randn(16, 9),), loss_fn=nn.CrossEntropyLoss())
+    for call in (lambda: pipe.step(given, target=torch.zeros(16, dtype=torch.long)), lambda: pipe(given), lambda: pipe(microbatches=[given[:8], given[8:]])):
+        with pytest.raises(fxpipe.InputError, match="Sequential.forward's argument " + match) as info:
+            call()
+        assert "compile with example_inputs of this kind" in one_line(info.value)
+    assert ran_no_stage(pipe) and len(pipe.signatures) == 1  # nothing ran, nothing was traced again
+
+
+class Tokens(nn.Module):
+    """Embeds token ids and mixes positions: any sequence length and int32 ids fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids))).mean(1)
+
+
+def test_inputs_a_new_signature_serves_still_run_as_eager() -> None:
+    model = Tokens()
+    pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["head"], microbatches=2), example_inputs=(torch.randint(0, 10, (4, 5)),))
+    for ids in (torch.randint(0, 10, (4, 7)), torch.randint(0, 10, (4, 5), dtype=torch.int32)):  # another length; int32 ids
+        torch.testing.assert_close(pipe(ids), model(ids))
+    with pytest.raises(fxpipe.InputError, match=r"'ids' is f32\[\*, 5\] where it was traced as i64\[\*, 5\]"):
+        pipe(torch.rand(4, 5))
+
+
+def test_an_unknown_split_point_lists_the_nearest_module_names() -> None:
+    import torchvision
+
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["layer9"])
+    with pytest.raises(fxpipe.AnnotateError, match=r"'layer9' is not a module of the model; nearest: layer1, layer2, layer3, layer4"):
+        fxpipe.partition(torchvision.models.resnet18(num_classes=4), plan, example_inputs=(torch.randn(2, 3, 32, 32),))
+    with pytest.raises(fxpipe.AnnotateError, match=r"'blocks' is not a module of the model; the model's top-level modules are 0, 1, 2, 3, 4"):
+        fxpipe.partition(mlp(), fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks"]), example_inputs=(X,))
+
+
+def test_an_example_of_a_dtype_the_kernels_refuse_is_a_compile_error() -> None:
+    with pytest.raises(fxpipe.CompileError, match=r"example_inputs \(float64\[8, 4\]\) meet Sequential's float32 parameters where real kernels refuse mixed dtypes \(addmm") as info:
+        fxpipe.compile(mlp(), {}, example_inputs=(X.double(),))
+    one_line(info.value)
+    assert fxpipe.compile(mlp().double(), {}, example_inputs=(X.double(),))(X.double()).dtype == torch.float64

@@ -45,8 +45,9 @@ class TiedDeep(nn.Module):
 
 
 def sharded_plan(schedule: str, m: int = 2, split: list[str] | None = None, **extra) -> dict:
-    """2 stages x 2 replicas, or 4 stages on 2 workers x 2 replicas (interleaved, zb-v)."""
-    four = schedule in ("interleaved-1f1b", "zb-v")
+    """2 stages x 2 replicas, or 4 stages on 2 workers x 2 replicas (interleaved, zb-v,
+    dualpipev)."""
+    four = schedule in ("interleaved-1f1b", "zb-v", "dualpipev")
     split = split or (SPLIT4 if four else ["blocks.3"])
     return dict(devices=["cpu:0", "cpu:1"], split=split, schedule=schedule, microbatches=m, data_parallel=2, fsdp=True, chunks=2 if four else 1, **extra)
 
@@ -111,6 +112,18 @@ def test_tied_weights_freed_parameters_and_recompute_stay_equal_to_eager_when_sh
         ("tied", "zb-v", {"split": ["blocks.0", "blocks.1", "blocks.2"]}),  # on one rank, two stages
         ("mixed", "zb-v", {"reshard_after_forward": True}),
         ("mixed", "1f1b", {"checkpoint": True, "reshard_after_forward": [True, False]}),
+    ]
+    assert_equal_to_eager(launch(schedule_cases, 4, (cases,), timeout=LAUNCH_TIMEOUT))
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_sharded_stages_match_eager_under_dualpipev_on_four_gloo_ranks() -> None:
+    """2 workers x 2 sharded replicas, 5 micro-batches each (dualpipev's least is 3): one
+    micro-batch per row, so the replicas' cut is eager's; and the tied LM (embedding and head
+    on one rank) with recompute."""
+    cases = [
+        ("mixed", "dualpipev", {"m": 5}),
+        ("tied", "dualpipev", {"m": 5, "split": ["blocks.0", "blocks.1", "blocks.2"], "checkpoint": True}),
     ]
     assert_equal_to_eager(launch(schedule_cases, 4, (cases,), timeout=LAUNCH_TIMEOUT))
 

@@ -3,9 +3,9 @@
 Each family is built from a small random config (4 layers, width 64, 4 heads; T5 2
 encoder + 2 decoder blocks; ``use_cache=False``, dropout 0), compiled with the default
 frontend (whichever ``frontend="auto"`` picks) and run with
-``fxpipe.distributed.launch`` on five layouts: 2 ranks 1F1B, 2 ranks interleaved 1F1B
-(chunks=2), 2 ranks ZB-V, 4 ranks = 2 stages x 2 replicas, and the same sharded
-(``fsdp=True``, ZB-H1); batch 8, 4 micro-batches.
+``fxpipe.distributed.launch`` on six layouts: 2 ranks 1F1B, 2 ranks interleaved 1F1B
+(chunks=2), 2 ranks ZB-V, 2 ranks DualPipeV, 4 ranks = 2 stages x 2 replicas, and the same
+sharded (``fsdp=True``, ZB-H1); batch 8, 4 micro-batches.
 One launch per layout runs every variant: float32 and float64, with and without an
 ``attention_mask`` (whose padded tokens are ``ignore_index`` in the target), an example
 batch of 2 or of the step's 8, and the model's own loss (``labels=``). Each variant steps,
@@ -70,6 +70,7 @@ LAYOUTS = {
     "1f1b": (2, dict(schedule="1f1b")),
     "interleaved": (2, dict(schedule="interleaved-1f1b", chunks=2)),
     "zb-v": (2, dict(schedule="zb-v", chunks=2)),
+    "dualpipev": (2, dict(schedule="dualpipev", chunks=2)),
     "dp2x2": (4, dict(schedule="1f1b", data_parallel=2)),
     "fsdp2x2": (4, dict(schedule="zb-h1", data_parallel=2, fsdp=True)),
 }

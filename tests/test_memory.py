@@ -69,7 +69,7 @@ def _gpt2_case(schedule: str, chunks: int, length: int = 32) -> fxpipe.Pipeline:
     return pipe
 
 
-@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-v", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-v", 2), ("dualpipev", 2)])
 def test_memory_predicts_every_stage_within_15_percent_resnet18(schedule: str, chunks: int) -> None:
     report = _check_report(_resnet_case(schedule, chunks))
     text = str(report)

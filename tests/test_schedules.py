@@ -18,11 +18,13 @@ from fxpipe.schedules import (
     as_schedule,
     check_schedule,
     describe_schedule,
+    dualpipe_v,
     forward_only,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     microbatch_count,
+    min_microbatches,
     one_f_one_b,
     resolve_schedule,
     stage_workers,
@@ -49,13 +51,13 @@ def W(stage: int, microbatch: int) -> Action:
     return Action("W", stage, microbatch)
 
 
-CHUNKS = {"interleaved-1f1b": (1, 2, 3, 4), "zb-v": (2,), "v-half": (2,), "v-min": (2,)}
+CHUNKS = {"interleaved-1f1b": (1, 2, 3, 4), "zb-v": (2,), "v-half": (2,), "v-min": (2,), "dualpipev": (2,)}
 
 
 def placement(name: str, stages: int, chunks: int) -> list[int]:
     """Where each built-in schedule puts stage s, as documented."""
     workers = stages // chunks
-    if name in ("zb-v", "v-half", "v-min"):
+    if name in ("zb-v", "v-half", "v-min", "dualpipev"):
         return [min(s, stages - 1 - s) for s in range(stages)]
     return [s % workers for s in range(stages)]
 
@@ -70,7 +72,7 @@ def schedule_cases(draw: st.DrawFn) -> tuple[str, int, int, int]:
     name = draw(st.sampled_from(SCHEDULES))
     chunks = draw(st.sampled_from(CHUNKS.get(name, (1,))))
     workers = draw(st.integers(1, max(1, 8 // chunks)))
-    return name, workers * chunks, draw(st.integers(1, 16)), chunks
+    return name, workers * chunks, draw(st.integers(min_microbatches(name, workers), 16)), chunks
 
 
 @settings(deadline=None)  # a shared machine makes per-example timings unreliable
@@ -84,8 +86,13 @@ def test_every_generated_schedule_is_complete_deadlock_free_placed_as_documented
     timeline = unit_timeline(actions, stages)
     ran = sorted((e.op, e.stage, e.microbatch) for e in timeline.events)
     assert ran == sorted((a.op, a.stage, a.microbatch) for todo in actions for a in todo)
-    backward = "IW" if name.startswith(("zb", "v-")) else "B"
-    expected = {(op, s, m) for op in "F" + backward for s in range(stages) for m in range(microbatches)}
+    backward = {"dualpipev": None, "gpipe": "B", "1f1b": "B", "interleaved-1f1b": "B"}.get(name, "IW")
+    if backward is None:  # dualpipev: whole B's in the steady state, I and W around it
+        split = {(a.stage, a.microbatch) for todo in actions for a in todo if a.op == "I"}
+        expected = {("F", s, m) for s in range(stages) for m in range(microbatches)}
+        expected |= {(op, s, m) for s in range(stages) for m in range(microbatches) for op in ("IW" if (s, m) in split else "B")}
+    else:
+        expected = {(op, s, m) for op in "F" + backward for s in range(stages) for m in range(microbatches)}
     assert set(ran) == expected and len(ran) == len(expected)
 
 
@@ -109,6 +116,10 @@ SAMPLED_GRID = sorted(
 @pytest.mark.parametrize(("name", "chunks"), BUILTINS)
 @pytest.mark.parametrize(("workers", "microbatches"), SAMPLED_GRID)
 def test_every_builtin_schedule_is_deadlock_free_on_a_sample_of_the_grid(name, chunks, workers, microbatches):
+    if microbatches < min_microbatches(name, workers):
+        with pytest.raises(ScheduleError, match=f"needs at least 2p - 1 = {2 * workers - 1} micro-batches"):
+            make_schedule(name, workers * chunks, microbatches, chunks)
+        return
     check_schedule(make_schedule(name, workers * chunks, microbatches, chunks), workers * chunks, microbatches)
 
 
@@ -116,7 +127,7 @@ def test_every_builtin_schedule_is_deadlock_free_on_a_sample_of_the_grid(name, c
 @pytest.mark.parametrize(("name", "chunks"), BUILTINS)
 @pytest.mark.parametrize("workers", range(1, 17))
 def test_every_builtin_schedule_is_deadlock_free_for_p_up_to_16_and_m_up_to_64(name, chunks, workers):
-    for microbatches in range(1, 65):
+    for microbatches in range(min_microbatches(name, workers), 65):
         check_schedule(make_schedule(name, workers * chunks, microbatches, chunks), workers * chunks, microbatches)
 
 
@@ -275,8 +286,123 @@ def test_v_half_and_v_min_at_p4_m8_hold_half_and_three_eighths_of_1f1b():
     assert reference.step_time == 66.0
 
 
+# ------------------------------------------------------------------ dualpipev
+def _overlap_pairs(todo, earlier, later) -> int:
+    """How many times a forward of one of the worker's stages is directly followed by a
+    whole backward of its other stage: DualPipeV's F/B pairs."""
+    other = {earlier: later, later: earlier}
+    return sum(a.op == "F" and b.op == "B" and b.stage == other[a.stage] for a, b in zip(todo, todo[1:]))
+
+
+@pytest.mark.parametrize("workers", range(1, 9))
+def test_dualpipev_places_a_v_pairs_forwards_with_backwards_and_splits_only_warm_up_and_tail(workers):
+    p = workers
+    for microbatches in range(2 * p - 1, 4 * p + 1):
+        actions = dualpipe_v(p, microbatches)
+        check_schedule(actions, 2 * p, microbatches)
+        assert stage_workers(actions) == [min(s, 2 * p - 1 - s) for s in range(2 * p)]
+        for w, todo in enumerate(actions):
+            earlier, later = w, 2 * p - 1 - w
+            ops = [a.op for a in todo]
+            assert ops.count("F") == 2 * microbatches
+            # every backward exactly once: B, or I then W (the checker proves the order)
+            assert ops.count("I") == ops.count("W") == 2 * p - 1 - w, (microbatches, w)
+            assert ops.count("B") + ops.count("I") == 2 * microbatches
+            # phase 4 pairs both ways, phase 5 pairs the later stage's forward with the earlier's B
+            steady = microbatches - 2 * p + w + 1
+            assert _overlap_pairs(todo, earlier, later) == 2 * steady + (p - 1 - w), (microbatches, w)
+            # the first backward, of the later stage, ends the warm-up's 2q + 2(w + 1) forwards
+            # (q = p - 1 - w; the worker at the turn, q = 0, opens phase 4, if any, with a forward)
+            first_backward = next(k for k, a in enumerate(todo) if a.op != "F")
+            assert first_backward == 2 * (p - 1 - w) + 2 * (w + 1) + (w == p - 1 and steady > 0)
+            assert todo[first_backward].stage == later and todo[first_backward].microbatch == 0
+
+
+@pytest.mark.parametrize("workers", range(2, 7))
+def test_dualpipev_stays_deadlock_free_over_skip_connections(workers):
+    """Edges past the next stage (a residual over a stage, the first stage feeding the last as
+    a tied head does, the first feeding every stage) add waits the chain does not have."""
+    stages = 2 * workers
+    chain = [(s, s + 1) for s in range(stages - 1)]
+    skips = [[(s, s + 2) for s in range(stages - 2)], [(0, stages - 1)], [(0, s) for s in range(2, stages)]]
+    for microbatches in (2 * workers - 1, 2 * workers, 3 * workers):
+        for extra in skips:
+            resolve_schedule("dualpipev", stages, microbatches, chunks=2, deps=chain + extra)
+
+
+def test_dualpipev_rejects_fewer_than_2p_minus_1_microbatches_naming_the_fix():
+    with pytest.raises(ScheduleError, match=r"dualpipev needs at least 2p - 1 = 5 micro-batches on 3 workers .* got 4; use microbatches >= 5, or 'zb-v'"):
+        dualpipe_v(3, 4)
+    with pytest.raises(ScheduleError, match="at least 2p - 1 = 7"):
+        make_schedule("dualpipev", 8, 6, chunks=2)
+    with pytest.raises(ScheduleError, match="'dualpipev' runs two stages per worker, got chunks=1; set chunks=2"):
+        make_schedule("dualpipev", 8, 8)
+    assert make_schedule("dualpipev", 8, 7, chunks=2) == dualpipe_v(4, 7)
+    assert [min_microbatches("dualpipev", p) for p in (1, 2, 4)] == [1, 3, 7]
+    assert {min_microbatches(name, 4) for name in SCHEDULES if name != "dualpipev"} == {1}
+
+
+def test_a_plan_with_too_few_microbatches_for_dualpipev_fails_at_partition_time():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    plan = Plan(devices=["cpu:0", "cpu:1"], split=["1", "2", "3"], schedule="dualpipev", chunks=2, microbatches=2)
+    for caught in (ScheduleError, PlanError):
+        with pytest.raises(caught, match="plan.schedule=dualpipev: dualpipev needs at least 2p - 1 = 3 micro-batches on 2 workers"):
+            fxpipe.partition(model, plan, example_inputs=(torch.randn(8, 4),))
+
+
+@pytest.mark.parametrize("workers", range(1, 9))
+def test_dualpipev_step_equals_zb_v_least_possible_and_beats_1f1b_with_unit_costs(workers):
+    """F, I, W one tick, B two: the steady state's whole B's cost what ZB-V's I + W cost,
+    and the warm-up's and the tail's W's fill the rest, so the step is ZB-V's 6m + p - 1."""
+    p = workers
+    for microbatches in (2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p):
+        timeline = unit_timeline(dualpipe_v(p, microbatches), 2 * p)
+        assert timeline.step_time == 6 * microbatches + p - 1 == unit_timeline(zb_v(p, microbatches), 2 * p).step_time
+        reference = simulate(one_f_one_b(p, microbatches), p, 2.0, 4.0)  # a worker's two stages as one
+        assert reference.step_time == 6 * microbatches + 6 * (p - 1)
+        # a worker's two stages hold one half-stage activation more than ZB-V's 2p (p = 1,
+        # m = 1 runs no pair, and holds 2)
+        held = max(timeline.peak_in_flight("worker").values())
+        assert held == (2 * p + 1 if (p, microbatches) != (1, 1) else 2), (microbatches, held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", range(1, 17))
+def test_dualpipev_step_is_6m_plus_p_minus_1_for_every_m_from_2p_to_64(workers):
+    for microbatches in range(2 * workers, 65):
+        assert unit_timeline(dualpipe_v(workers, microbatches), 2 * workers).step_time == 6 * microbatches + workers - 1
+
+
+@pytest.mark.parametrize(
+    ("forward", "backward", "inputs", "weights", "comm"),
+    [(1.0, 2.0, 1.0, 1.0, 0.3), (1.0, 2.0, 1.5, 0.5, 0.0), (1.0, 2.0, 0.5, 1.5, 0.0), (1.0, 3.0, 1.5, 1.5, 0.2)],
+)
+def test_dualpipev_is_no_slower_than_zb_v_with_uneven_costs_and_messages(forward, backward, inputs, weights, comm):
+    """ZB-V's order is fixed on a unit clock; DualPipeV's whole B's neither depend on how the
+    backward divides into I and W nor send a gradient late: in these cases, from m = 2p,
+    it is never slower (B = I + W)."""
+    for p in (2, 3, 4, 6):
+        for microbatches in (2 * p, 3 * p, 4 * p):
+            costs = dict(input_time=inputs, weight_time=weights, comm_time=comm)
+            ours = simulate(dualpipe_v(p, microbatches), 2 * p, forward, backward, **costs).step_time
+            theirs = simulate(zb_v(p, microbatches), 2 * p, forward, backward, **costs).step_time
+            assert ours <= theirs + 1e-9, (p, microbatches, ours, theirs)
+
+
+def test_dualpipev_figures_in_the_docs_with_uneven_costs_and_messages():
+    figures = []
+    for costs in (dict(input_time=1.5, weight_time=0.5), dict(comm_time=0.3)):
+        figures += [round(simulate(g(4, 8), 8, 1.0, 2.0, **costs).step_time, 6) for g in (dualpipe_v, zb_v)]
+    assert figures == [54.5, 71.5, 55.4, 60.6]
+    assert "54.5 ticks against ZB-V's 71.5" in DOC.read_text() and "55.4 against 60.6" in DOC.read_text()
+
+
 def _tick_table(actions, stages) -> str:
-    """The docstring tables' format: unit F, I, W; upper case for a worker's first stage."""
+    """The docstring tables' format: unit F, I, W (B two ticks, "~~" its second); upper
+    case for a worker's first stage."""
     timeline = unit_timeline(actions, stages)
     workers = stage_workers(actions)
     first = {w: workers.index(w) for w in set(workers)}
@@ -284,12 +410,14 @@ def _tick_table(actions, stages) -> str:
     for e in timeline.events:
         cell = f"{e.op}{e.microbatch}"
         rows[e.worker][round(e.start)] = cell if e.stage == first[e.worker] else cell.lower()
+        for tick in range(round(e.start) + 1, round(e.end)):
+            rows[e.worker][tick] = "~~"
     lines = ["tick      " + "".join(f"{t:<3}" for t in range(len(rows[0])))]
     lines += [f"worker {w}  " + "".join(f"{c:<3}" for c in row) for w, row in enumerate(rows)]
     return "\n".join(line.rstrip() for line in lines)
 
 
-@pytest.mark.parametrize(("generator", "args", "stages"), [(zb_h1, (3, 5), 3), (zb_v, (2, 4), 4), (v_half, (3, 3), 6), (v_min, (3, 3), 6)])
+@pytest.mark.parametrize(("generator", "args", "stages"), [(zb_h1, (3, 5), 3), (zb_v, (2, 4), 4), (v_half, (3, 3), 6), (v_min, (3, 3), 6), (dualpipe_v, (2, 4), 4)])
 def test_zero_bubble_docstring_tables_are_what_the_simulator_plays(generator, args, stages):
     table = _tick_table(generator(*args), stages)
     docstring = "\n".join(line.strip() for line in generator.__doc__.splitlines())
@@ -311,7 +439,7 @@ def test_make_schedule_asks_zb_v_for_two_chunks_and_an_even_stage_count():
         make_schedule("zb-v", 5, 8, chunks=2)
     with pytest.raises(ScheduleError, match="'v-min' runs two stages per worker, got chunks=3"):
         make_schedule("v-min", 6, 8, chunks=3)
-    with pytest.raises(ScheduleError, match="'zb-h1' runs one stage per worker.*'v-min' \\(chunks=2\\)"):
+    with pytest.raises(ScheduleError, match="'zb-h1' runs one stage per worker.*'v-min' or 'dualpipev' \\(chunks=2\\)"):
         make_schedule("zb-h1", 4, 8, chunks=2)
 
 
@@ -328,7 +456,7 @@ def test_interleaved_rejects_counts_below_one(args, message):
         interleaved_1f1b(*args)
 
 
-@pytest.mark.parametrize("generator", [zb_h1, zb_v, v_half, v_min])
+@pytest.mark.parametrize("generator", [zb_h1, zb_v, v_half, v_min, dualpipe_v])
 def test_zero_bubble_generators_reject_counts_below_one(generator):
     with pytest.raises(ScheduleError, match="num_microbatches must be at least 1, got 0"):
         generator(2, 0)
@@ -632,7 +760,7 @@ def test_plan_takes_a_callable_and_keeps_the_default_microbatch_count():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"schedule": "zigzag"}, "plan.schedule = 'zigzag': choose one of .*zb-h1, zb-v, v-half, v-min, or write your own"),
+        ({"schedule": "zigzag"}, "plan.schedule = 'zigzag': choose one of .*zb-h1, zb-v, v-half, v-min, dualpipev, or write your own"),
         ({"schedule": 3}, "plan.schedule must be a list holding one list of fxpipe.Action per worker, got int"),
         ({"schedule": [[F(0, 0), "B0:0"]]}, r"plan.schedule\[0\]\[1\] is 'B0:0', not an fxpipe.Action"),
         ({"schedule": [[F(0, 0), B(0, 0)]], "microbatches": 2}, "plan.microbatches = 2, but plan.schedule runs 1 micro-batches"),
@@ -640,6 +768,7 @@ def test_plan_takes_a_callable_and_keeps_the_default_microbatch_count():
         ({"schedule": "zb-v", "chunks": 3}, "got chunks=3; set chunks=2"),
         ({"schedule": "zb-h1", "chunks": 2}, "plan.chunks = 2: .*schedule 'interleaved-1f1b' \\(any chunks\\) or 'zb-v'"),
         ({"schedule": "v-half"}, "'v-half' runs two stages per worker, got chunks=1; set chunks=2 \\(two stages per device, in a V\\)"),
+        ({"schedule": "dualpipev", "chunks": 3}, "'dualpipev' runs two stages per worker, got chunks=3; set chunks=2 \\(two stages per device, in a V\\)"),
     ],
 )
 def test_plan_rejects_schedule_fields_of_the_wrong_kind_with_the_fix(fields, message):
@@ -667,6 +796,7 @@ def test_docs_tables_are_what_the_generators_play():
     assert _tick_table(zb_v(2, 4), 4) in text
     assert _tick_table(v_half(3, 3), 6) in text
     assert _tick_table(v_min(3, 3), 6) in text
+    assert _tick_table(dualpipe_v(2, 4), 4) in text
 
 
 def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
@@ -676,7 +806,7 @@ def test_docs_custom_schedule_examples_run_and_print_what_the_docs_show(capsys):
         if "fxpipe.compile" not in block:
             exec(compile(block, str(DOC), "exec"), namespace)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
-    assert len(printed) == 1 + 3 + 7
+    assert len(printed) == 1 + 3 + 8
     for line in printed:
         assert f"# {line}" in text, line
 

@@ -275,9 +275,20 @@ def test_gantt_legend_names_i_and_w_in_their_own_colours():
     assert plain == ["forward", "backward", "idle (bubble)", "send / recv"]
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_gantt_legend_of_dualpipev_names_whole_and_split_backwards_of_both_chunks_apart():
+    from fxpipe.inspection.gantt import legend_entries
+
+    entries = legend_entries([simulate(make_schedule("dualpipev", 8, 8, chunks=2), 8, 1.0, 2.0)])
+    labels = [e["label"] for e in entries]
+    kinds = ("forward", "backward", "input gradients (I)", "weight gradients (W)")
+    assert set(labels) == {"idle (bubble)", *kinds, *(f"{kind}, later chunk" for kind in kinds)}
+    colours = [e["color"] for e in entries if "color" in e]
+    assert len(set(colours)) == len(colours) == 8
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v", "dualpipev"])
 def test_plot_draws_zero_bubble_timelines(tmp_path, name):
-    chunks = 2 if name == "zb-v" else 1
+    chunks = 2 if name in ("zb-v", "dualpipev") else 1
     timeline = simulate(make_schedule(name, 4 * chunks, 8, chunks), 4 * chunks, 1e-3, 2e-3)
     path = tmp_path / f"{name}.png"
     timeline.plot(path, title=f"{name}, p=4, m=8")
@@ -416,3 +427,29 @@ def test_timeline_under_torchrun_gathers_every_ranks_events_on_one_clock():
     flows = _flows(trace)
     assert sorted((s["cat"], s["pid"], f["pid"]) for s, f in flows.values()) == [("activation", 0, 1)] * 4 + [("gradient", 1, 0)] * 4
     assert "rank 0 (cpu)" in ranks[0]["chart"] and "rank 1 (cpu)" in ranks[0]["chart"]
+
+
+def test_a_squeezed_gantt_chart_numbers_every_kth_box_never_none(tmp_path) -> None:
+    """Boxes narrower than any readable number (64 micro-batches of 1 ms in a 2 s step):
+    every k-th micro-batch is numbered beside its box, in each row and for each op."""
+    import matplotlib.pyplot as plt
+
+    from fxpipe.inspection import gantt
+
+    events = [
+        Event(w, w, m, op, start, start + 1e-3)
+        for w in range(2) for m in range(64)
+        for op, start in (("F", 0.01 * m + 0.002 * w), ("B", 1.0 + 0.01 * m + 0.002 * w))
+    ]
+    timeline = Timeline(events, 2)
+    points_per_second = 30 * 72 * 0.8 / 2.0
+    size, stride = gantt._labels(events, points_per_second)
+    assert size >= 5 and stride > 1
+    fig, ax = plt.subplots()
+    gantt._draw(timeline, ax, 1e3, (size, stride), points_per_second)
+    numbers = [int(t.get_text()) for t in ax.texts]
+    plt.close(fig)
+    assert numbers and all(n % stride == 0 for n in numbers)
+    assert len(numbers) == 2 * 2 * len(range(0, 64, stride))  # both rows, forward and backward
+    timeline.plot(tmp_path / "squeezed.png", other=timeline)  # the chart itself draws
+    assert (tmp_path / "squeezed.png").stat().st_size > 0

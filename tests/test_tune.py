@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,3 +70,41 @@ def test_tune_chooses_among_schedules_by_prediction() -> None:
     assert "gpipe" not in {p.schedule for p in fitting} and "1f1b" in {p.schedule for p in fitting}
     best = fxpipe.tune(model(), tight, (X,), candidates=[16], measure=0)
     assert best.schedule == min(fitting, key=lambda p: p.predicted_step).schedule and best.microbatches == 16
+
+
+def with_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_a_failing_candidate_is_named_and_skipped_and_the_sweep_goes_on(tmp_path) -> None:
+    """A micro-batch of one sample breaks BatchNorm in training: that candidate is reported
+    (in the point, a warning and the plot), the others are measured."""
+    x, t = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["3"])
+    path = tmp_path / "sweep.png"
+    with pytest.warns(UserWarning, match=r"fxpipe.tune: candidate 1f1b x 8 .*Expected more than 1 value per channel.*skipped, the sweep goes on"):
+        points = sweep(with_batchnorm(), plan, (x,), nn.CrossEntropyLoss(), t, candidates=[2, 4, 8], measure=[2, 4, 8], repeats=1, schedules=["1f1b"])
+    by_count = {p.microbatches: p for p in points}
+    assert by_count[8].error is not None and "Expected more than 1 value per channel" in by_count[8].error
+    assert by_count[8].measured_step is None and by_count[8].name == "1f1b x 8"
+    assert all(by_count[m].measured_step > 0 and by_count[m].error is None for m in (2, 4))
+    with pytest.warns(UserWarning, match="1f1b x 8"):
+        best = fxpipe.tune(with_batchnorm(), plan, (x,), nn.CrossEntropyLoss(), t, plot=path, candidates=[2, 4, 8], measure=3, repeats=1, schedules=["1f1b"])
+    assert best.microbatches in (2, 4)
+    assert path.stat().st_size > 0
+
+
+def test_tune_sweep_is_reachable_from_fxpipe_tune() -> None:
+    assert fxpipe.tune.sweep is sweep
+
+
+def test_tune_predicts_dualpipev_from_its_least_count_on_a_v_plan() -> None:
+    """dualpipev runs at least 2p - 1 micro-batches (3 on 2 workers): the sweep finds it among
+    the schedules that keep a V's stages in place, and predicts it only from that count."""
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2", "4", "6"], schedule="zb-v", chunks=2)
+    points = sweep(model(), plan, (X,), candidates=[1, 2, 4, 8], measure=0)
+    counts: dict[str, list[int]] = {}
+    for point in points:
+        counts.setdefault(point.schedule, []).append(point.microbatches)
+    assert counts == {"zb-v": [1, 2, 4, 8], "v-half": [1, 2, 4, 8], "v-min": [1, 2, 4, 8], "dualpipev": [4, 8]}

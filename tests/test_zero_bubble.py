@@ -46,7 +46,7 @@ def _data(n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
 
 SPLIT4 = ["blocks.1", "blocks.3", "blocks.5"]
 SPLIT8 = ["conv", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5"]
-V_SHAPED = ("zb-v", "v-half", "v-min")
+V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipev")
 
 
 def zb_plan(schedule: str, m: int, workers: int = 2, **extra) -> dict:
@@ -78,6 +78,31 @@ def test_zero_bubble_schedules_match_eager_locally(schedule: str, m: int, checkp
     assert_grads_match(pipe, ref, rtol=1e-10, atol=1e-12)
     ops = {e.op for e in pipe.timeline().events}
     assert {"I", "W"} <= ops and "B" not in ops
+
+
+# dualpipev's least count on 2 workers (3 = 2p - 1), 2p, and more, with and without
+# recompute; on 4 workers (8 stages) at its least count (7) and at 2p (8)
+DUALPIPEV_CASES = [(m, c, "fx", 2) for m in (3, 4, 8) for c in (False, True)] + [(8, False, "export", 2), (7, False, "fx", 4), (8, True, "fx", 4)]
+
+
+@pytest.mark.parametrize("m,checkpoint,frontend,workers", DUALPIPEV_CASES)
+def test_dualpipev_matches_eager_locally(m: int, checkpoint: bool, frontend: str, workers: int) -> None:
+    torch.manual_seed(0)
+    model = Mixed().double()
+    ids, t = _data(16)
+    ref = copy.deepcopy(model)
+    pipe = fxpipe.compile(model, zb_plan("dualpipev", m, workers, checkpoint=checkpoint, frontend=frontend), example_inputs=(ids,), loss_fn=CE)
+    loss = pipe.step(ids, target=t)
+    torch.testing.assert_close(loss, eager_microbatch_step(ref, (ids,), t, CE, m), rtol=1e-12, atol=1e-12)
+    assert_grads_match(pipe, ref, rtol=1e-10, atol=1e-12)
+    events = [e for e in pipe.timeline().events if e.op in ("F", "B", "I", "W")]  # not the recv waits
+    assert {(e.stage, e.worker) for e in events} == {(s, min(s, 2 * workers - 1 - s)) for s in range(2 * workers)}
+    # whole backwards in the steady state, I and W in the warm-up and the tail
+    assert {e.op for e in events} == {"F", "B", "I", "W"}
+    # per worker: 2m F, 2m B or I, and a W for each of its 2p - 1 - w I's
+    assert len(events) == sum(4 * m + 2 * workers - 1 - w for w in range(workers))
+    with torch.no_grad():  # inference runs the schedule's forwards only, in its order
+        torch.testing.assert_close(pipe(ids), ref(ids), rtol=1e-12, atol=1e-12)
 
 
 def test_after_I_only_what_W_needs_is_held() -> None:
@@ -141,6 +166,7 @@ def zb_rank_cases(cases: list[tuple[str, int, bool, int]], workers: int = 2) -> 
 def test_zero_bubble_and_v_schedules_match_eager_on_two_gloo_ranks() -> None:
     cases = [("zb-v", 1, False, 1), ("zb-v", 3, False, 1), ("zb-v", 4, True, 1), ("zb-v", 8, False, 1)]
     cases += [("v-half", 5, False, 1), ("v-min", 8, True, 1)]
+    cases += [("dualpipev", 3, False, 1), ("dualpipev", 4, True, 1), ("dualpipev", 8, False, 1)]
     for errors in launch(zb_rank_cases, 2, (cases,), timeout=LAUNCH_TIMEOUT):
         for case, (loss_err, grad_err) in errors.items():
             assert loss_err < 1e-12 and grad_err < 1e-10, (case, loss_err, grad_err)

@@ -311,7 +311,8 @@ def main() -> None:
         plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split="auto")
         points = sweep(encoder, plan, (ids,), loss, tt, candidates=[1, 2, 4, 8, 16], measure=[1, 2, 4, 8, 16], repeats=min(repeats, 3), schedules=[plan.schedule])
         for p in points:
-            print(f"  m={p.microbatches:3d}: predicted {p.predicted_step * 1e3:7.1f} ms, measured {p.measured_step * 1e3:7.1f} ms")
+            measured = f"{p.measured_step * 1e3:7.1f} ms" if p.measured_step is not None else f"failed, skipped ({p.error})"
+            print(f"  m={p.microbatches:3d}: predicted {p.predicted_step * 1e3:7.1f} ms, measured {measured}")
         if args.plot:
             print(f"  plot: {plot_sweep(points, args.plot, 'transformer encoder, 2 stages on CPU')}")
 

@@ -289,6 +289,11 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {inner(value)}"
 
 
+def describe_tensor(t: torch.Tensor) -> str:
+    """``float16[8, 3, 64, 64]``: a tensor's dtype and shape, as messages name an input."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
 def signature(value: Any) -> tuple:
     """A hashable description of a micro-batch's inputs: shapes and dtypes, constants as is."""
     leaves, spec = pytree.tree_flatten(value)
@@ -465,6 +470,7 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
                 if isinstance(out, torch.Tensor):
                     raise
                 raise LossFunctionError(_loss_hint(loss_fn, out, err)) from err
+            check_loss_value(loss_fn, loss)
         else:
             loss = getattr(out, "loss", out)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -472,6 +478,28 @@ def weighted_loss(loss_fn: Any, build_output: Any, targets: list[Any], weights: 
         return loss * weights[i]
 
     return loss_of
+
+
+def loss_name(loss_fn: Any) -> str:
+    """How messages name a loss function: its class for a module, else its ``__name__``."""
+    if isinstance(loss_fn, nn.Module):
+        return type(loss_fn).__name__
+    return getattr(loss_fn, "__name__", type(loss_fn).__name__)
+
+
+def check_loss_value(loss_fn: Any, loss: Any) -> None:
+    """Raise LossFunctionError unless ``loss`` (what ``loss_fn`` returned) is a tensor of
+    one element, what a step backpropagates: a per-sample loss (``reduction="none"``), a
+    float or None are named with the fix."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return
+    if isinstance(loss, torch.Tensor):
+        got, fix = f"a Tensor{list(loss.shape)}", "reduce it to one number (reduction='mean' or 'sum', or .mean())"
+    elif isinstance(loss, int | float):
+        got, fix = f"a Python {type(loss).__name__} ({loss!r})", "return the tensor itself, not .item() or float(...)"
+    else:
+        got, fix = ("None" if loss is None else describe(loss)), "return the loss tensor"
+    raise LossFunctionError(f"loss_fn ({loss_name(loss_fn)}) returned {got}, not a scalar tensor that backward can start from: {fix}")
 
 
 def _loss_hint(loss_fn: Any, out: Any, err: BaseException) -> str:

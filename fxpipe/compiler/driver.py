@@ -29,7 +29,7 @@ from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
 from fxpipe.passes.fake_replay import replay
-from fxpipe.passes.generalise import check_generalises
+from fxpipe.passes.generalise import KernelDtypeError, check_generalises, eager_on_fake
 from fxpipe.passes.input_slice import input_slice, output_inputs
 from fxpipe.passes.loss_terms import added_terms
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
@@ -98,8 +98,13 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
     plan = Plan.coerce(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe expects an nn.Module, got {type(model).__name__}")
+    if example_inputs is None and not example_kwargs:
+        raise CompileError(
+            f"example_inputs=None: pass example_inputs=(x, ...), the arguments of {type(model).__name__}.forward "
+            "shaped like a training batch (a single tensor may be passed as is; keyword arguments go in example_kwargs=)"
+        )
     if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+        example_inputs = () if example_inputs is None else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     traced = trace(model, example_inputs, kwargs, plan.frontend, plan.leaf_modules, plan.concrete_args)
     gm = traced.graph_module
@@ -113,6 +118,7 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
             "example_inputs=(x, ...) (and example_kwargs=) shaped like a training batch: fxpipe "
             "propagates their shapes on fake tensors to size every stage and edge"
         ) from None
+    _check_kernel_dtypes(model, example_inputs, kwargs)
     progress.phase("shapes and costs")
     if traced.replay is not None:  # the fx frontend replayed the example while tracing
         fake_run = traced.replay
@@ -169,6 +175,25 @@ def _batch_in_a_list(model: nn.Module, args: tuple, kwargs: dict) -> bool:
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
             return isinstance(value, list)
     return False
+
+
+def _check_kernel_dtypes(model: nn.Module, example_inputs: tuple, kwargs: dict) -> None:
+    """Raise CompileError when real kernels would refuse the example's dtypes against the
+    model's (a float16 batch for float32 convolutions): fake tensors let them pass, so the
+    eager model is run once more on fake tensors with those kernels' dtype rules. Any other
+    failure of that run is left to the passes that follow."""
+    try:
+        with quiet_attempt(), torch.no_grad():
+            eager_on_fake(model, example_inputs, kwargs, getattr(model, "fxpipe_devices", None), kernel_dtypes=True)
+    except KernelDtypeError as err:
+        given = ", ".join(f"{microbatch.describe_tensor(t)}" for t in pytree.tree_leaves((example_inputs, kwargs)) if isinstance(t, torch.Tensor))
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        raise CompileError(
+            f"example_inputs ({given}) meet {type(model).__name__}'s {'/'.join(dtypes)} parameters where real kernels refuse "
+            f"mixed dtypes ({err}): pass inputs of the dtype the model computes in, or convert the model (model.to(dtype))"
+        ) from None
+    except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: the trace's own replay says more
+        return
 
 
 def partition_like(

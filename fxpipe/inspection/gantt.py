@@ -25,7 +25,6 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
 
     span = max(t.step_time for t in timelines) or 1.0
     scale, unit = fmt.time_unit(span)
-    compute = [e for t in timelines for e in t.events if e.op in WORK_OPS]
     per_row = max(
         (sum(e.worker == w for e in t.events) for t in timelines for w in range(t.num_workers)),
         default=0,
@@ -39,9 +38,10 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str |
     legend_rows = math.ceil(needed / (0.95 * width))
     height = 1.2 + 0.45 * rows + 0.6 * len(timelines) + 0.3 * legend_rows
     fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False, figsize=(width, height))
-    label_size = _label_size(compute, points_per_second=width * 72 * 0.8 / span)
-    for ax, timeline in zip(axes[:, 0], timelines):
-        _draw(timeline, ax, scale, label_size)
+    points_per_second = width * 72 * 0.8 / span
+    for ax, timeline in zip(axes[:, 0], timelines):  # each panel numbered as densely as its own boxes allow
+        labels = _labels([e for e in timeline.events if e.op in WORK_OPS], points_per_second)
+        _draw(timeline, ax, scale, labels, points_per_second)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     axes[-1, 0].set_xlim(0, span * scale * 1.01)
     fig.legend(
@@ -76,7 +76,7 @@ def legend_entries(timelines: Sequence[Timeline]) -> list[dict[str, Any]]:
     return entries
 
 
-def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -> None:
+def _draw(timeline: Timeline, ax: Any, scale: float, labels: tuple[float, int], points_per_second: float) -> None:
     """Draws the rows of this timeline on ``ax``."""
     origin = min((e.start for e in timeline.events), default=0.0)
     stages_of: dict[int, list[int]] = defaultdict(list)
@@ -110,16 +110,7 @@ def _draw(timeline: Timeline, ax: Any, scale: float, label_size: float | None) -
             edgecolor="white",
             linewidth=0.8,
         )
-        if label_size:
-            ax.text(
-                left + width / 2,
-                e.worker,
-                str(e.microbatch),
-                ha="center",
-                va="center",
-                fontsize=label_size,
-                color="white",
-            )
+        _label(ax, e, left + width / 2, e.duration * points_per_second, labels)
     ax.set_yticks(range(timeline.num_workers))
     ax.set_yticklabels(
         [_row_label(timeline.worker_name(w), devices.get(w), stages_of[w]) for w in range(timeline.num_workers)]
@@ -150,15 +141,45 @@ _IDLE_COLOUR = "#f4f4f5"
 _IDLE_EDGE = "#d4d4d8"
 
 
-def _label_size(compute: list[Event], points_per_second: float) -> float | None:
-    """One font size for every micro-batch label, the largest that fits the narrowest box;
-    None when that would be unreadably small."""
+def _label_width(microbatch: int, size: float) -> float:
+    """Points a micro-batch number takes at ``size``, with a margin."""
+    return size * (0.6 * len(str(microbatch)) + 0.3)
+
+
+def _labels(compute: list[Event], points_per_second: float) -> tuple[float, int]:
+    """(font size, stride) of the micro-batch numbers: the largest size up to 9 points that
+    fits the narrowest box, not below 5; when even 5 points do not fit, every k-th
+    micro-batch is numbered (k of 2, 5, 10, 20, … so that k narrowest boxes hold a
+    number), never none."""
     if not compute:
-        return None
+        return 9.0, 1
     narrowest = min(e.duration for e in compute) * points_per_second
-    digits = max(len(str(e.microbatch)) for e in compute)
-    size = min(9.0, narrowest / (0.6 * digits + 0.3))
-    return size if size >= 5 else None
+    widest_number = max(compute, key=lambda e: len(str(e.microbatch))).microbatch
+    size = max(5.0, min(9.0, narrowest / _label_width(widest_number, 1.0)))
+    stride = 1
+    steps = (2, 5)
+    k = 0
+    while stride * max(narrowest, 1e-9) < _label_width(widest_number, size) * 1.2:
+        stride = steps[k % 2] * 10 ** (k // 2)
+        k += 1
+    return size, stride
+
+
+def _label(ax: Any, e: Event, centre: float, box_points: float, labels: tuple[float, int]) -> None:
+    """Number the box of ``e``: inside it when the number fits, else (every stride-th
+    micro-batch) just outside, forwards above the row and backwards below it."""
+    size, stride = labels
+    inside = box_points >= _label_width(e.microbatch, size)
+    if not inside and e.microbatch % stride:
+        return
+    if inside:
+        ax.text(centre, e.worker, str(e.microbatch), ha="center", va="center", fontsize=size, color="white")
+    else:
+        above = e.op == "F"
+        ax.text(
+            centre, e.worker + (-0.31 if above else 0.31), str(e.microbatch), ha="center",
+            va="bottom" if above else "top", fontsize=size, color="#333333",
+        )
 
 
 def _row_label(name: str, device: str | None, stages: list[int]) -> str:

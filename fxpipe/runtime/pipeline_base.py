@@ -23,10 +23,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.batching import loss_scale, microbatch
-from fxpipe.batching.microbatch import MicrobatchError
+from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.inspection.memory_report import MemoryReport, memory_report
 from fxpipe.inspection.views import PipelineViews
+from fxpipe.runtime.attributes import AttributeGuard
 from fxpipe.runtime.context import StepContext
+from fxpipe.runtime.inputs import InputCheck
 from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.memory import StepMemory, held_state
 from fxpipe.runtime.placement import skeleton
@@ -47,13 +49,17 @@ class Compiler:
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
     output_like(model, args, kwargs): the model's output for a call as meta tensors, from
     one run on fake tensors (``fxpipe.batching.batched_outputs.output_like``): what a step's loss
-    counts are taken from before its micro-batches run.
+    counts are taken from before its micro-batches run. check_call(model, args, kwargs):
+    raises what the eager model raises for a call's shapes and dtypes, on fake tensors with
+    the dtype rules of real kernels (``fxpipe.batching.batched_outputs.check_call``): an input the
+    program was not traced for is named before any stage runs (``fxpipe.runtime.inputs``).
     """
 
     retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
     batched_outputs: Callable[[nn.Module, tuple, dict, Any], dict[str, bool]]
     fake_replay: Callable[[], Any]
     output_like: Callable[[nn.Module, tuple, dict], Any]
+    check_call: Callable[[nn.Module, tuple, dict], None]
 
 
 @dataclass
@@ -204,6 +210,11 @@ def _check_same_edges(programs: list[Program]) -> None:
             )
 
 
+def _shape_of(value: Any) -> list[int] | str:
+    """A state-dict value's shape as a list (what a non-tensor value is, otherwise)."""
+    return list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """(the submodule holding buffer ``name``, its attribute name)."""
     path, _, attr = name.rpartition(".")
@@ -227,7 +238,9 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler, watched: nn.Module) -> None:
+        """``model``: a skeleton of the model as it was traced; ``watched``: the user's model,
+        whose plain attributes every call holds to their compile-time values."""
         self.part = part
         self._compiler = compiler
         self.plan = part.plan
@@ -237,6 +250,8 @@ class PipelineBase(PipelineViews):
         # the model's code and structure without its memory (nor a reference to it): which
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
+        self._check_inputs = InputCheck(self._model, (tuple(part.example_inputs), dict(part.example_kwargs)), compiler.check_call)
+        self._attributes = AttributeGuard(watched)
         self._batched: dict[tuple, dict[str, bool]] = {}
         self._outputs_like: dict[tuple, Any] = {}  # a listed step's outputs as meta tensors, per input shapes
         self._programs: dict[Any, Program] = {}
@@ -309,7 +324,9 @@ class PipelineBase(PipelineViews):
     def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any, forward_only: bool = False) -> Batch:
         """This process's micro-batches of a call: the batch cut (:meth:`_split`; a forward
         of a batch smaller than ``Plan.microbatches`` runs one micro-batch per sample), or the
-        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is given."""
+        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is
+        given, AttributeChangedError when an attribute of the model changed after compile."""
+        self._attributes.check()
         if microbatches is None:
             if targets is not None:
                 raise MicrobatchError("targets=[...] goes with microbatches=[...]; a batch's target is passed as target=")
@@ -334,6 +351,7 @@ class PipelineBase(PipelineViews):
         cut into ``m`` per replica, with the compiled stages of the call's signature;
         ``Batch.step`` holds every replica's micro-batches (for the step's loss counts)."""
         microbatch.check_cuttable((args, kwargs), m * self.replicas)
+        self._check_inputs(args, kwargs)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
         total = microbatch.batch_size((flat, target)) or 1
@@ -355,6 +373,8 @@ class PipelineBase(PipelineViews):
         counts are known (:meth:`_listed_counts`). Raises what ``microbatch.listed_calls``
         raises, and MicrobatchError when two micro-batches' programs cut other edges."""
         calls, targets = microbatch.listed_calls(entries, targets, self._model.forward)
+        for args, kwargs in calls:
+            self._check_inputs(args, kwargs)
         programs = [self._program(args, kwargs) for args, kwargs in calls]
         _check_same_edges(programs)
         inputs = [p.part.bind_inputs(args, kwargs) for p, (args, kwargs) in zip(programs, calls)]
@@ -404,6 +424,7 @@ class PipelineBase(PipelineViews):
         """
         loss_fn = loss_fn or self.loss_fn
         batch = self._batch(args, kwargs, target, microbatches, targets)
+        self._check_loss_call(loss_fn, batch)
         if loss_fn is None:
             self._warn_per_microbatch_terms(batch)
         counts = self._step_counts(loss_fn, batch) if self._holds_last() else None
@@ -424,6 +445,37 @@ class PipelineBase(PipelineViews):
             modules = {s: r.module for s, r in runners.items()}
             self._last_memory = (*batch.largest(), batch.sizes, ctx.memory.finish(modules, (r.device for r in runners.values())), modules)
         return self._step_loss(ctx)
+
+    def _check_loss_call(self, loss_fn: Any, batch: Batch) -> None:
+        """Before any stage runs: ``loss_fn`` callable, and given a target when it needs one
+        (a torch loss always does; another function is asked on the call's output as meta
+        tensors, from a fake run of the model). Raises LossFunctionError saying what to pass."""
+        if loss_fn is None:
+            return
+        name = microbatch.loss_name(loss_fn)
+        if not callable(loss_fn):
+            raise LossFunctionError(
+                f"loss_fn = {loss_fn!r} ({type(loss_fn).__name__}) is not callable: pass a function of (output, target) "
+                "returning a scalar tensor, e.g. loss_fn=nn.CrossEntropyLoss()"
+            )
+        if any(t is not None for t in batch.targets):
+            return
+        fix = (
+            f"pipe.step got no target, and loss_fn ({name}) needs one: pass target=t (one row per input sample), "
+            "or targets=[...] with microbatches=[...]"
+        )
+        if isinstance(loss_fn, nn.modules.loss._Loss):
+            raise LossFunctionError(fix)
+        try:
+            output = self._output_like(*(batch.calls[0] if batch.listed else batch.call))
+        except Exception:  # noqa: BLE001 - a model fake tensors cannot run: its first micro-batch will say
+            return
+        try:
+            loss_fn(output, None)
+        except Exception as err:  # noqa: BLE001 - whatever the loss raises on a None target
+            cause = (str(err).strip().splitlines() or [""])[0]
+            if "None" in cause:  # the target it was given, not meta tensors (.item()) or the output, is at fault
+                raise LossFunctionError(f"{fix} ({type(err).__name__}: {cause})") from err
 
     def _holds_last(self) -> bool:
         """Whether this process runs the last stage (where the loss is computed)."""
@@ -592,6 +644,15 @@ class PipelineBase(PipelineViews):
         unexpected = [] if self._partial_state else [k for k in state if k not in self._state]
         if strict and (missing or unexpected):
             raise KeyError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        mismatched = [
+            f"{k}: {_shape_of(state[k])} given, {list(self._state[k].shape)} in the model"
+            for k in self._state if k in state and _shape_of(state[k]) != list(self._state[k].shape)
+        ]
+        if mismatched:
+            raise ValueError(
+                f"load_state_dict: {len(mismatched)} tensor(s) of another shape ({'; '.join(mismatched[:5])}): "
+                "load a state dict saved from this model's configuration"
+            )
         with torch.no_grad():
             for key, tensor in self._state.items():
                 if key in state:
