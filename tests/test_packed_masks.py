@@ -107,6 +107,24 @@ def test_lengths_seen_before_are_not_traced_again() -> None:
     assert grad_error(pipe, model) < 1e-12
 
 
+def test_a_causal_flag_that_changes_what_crosses_the_stages_is_refused_with_the_fix() -> None:
+    """A bidirectional mask (causal=False) never reads ``pos``, so its stage 1 receives one
+    value fewer: a step cannot mix it with causal masks (the message names the value and the
+    flag's kind), and a step of its own trains as in eager."""
+    torch.manual_seed(0)
+    model = PackedLM().double()
+    entries, targets = packed_batches(4, (9, 9))
+    entries[1]["mask"].causal = False
+    pipe = fxpipe.compile(model, plan_for("1f1b"), example_kwargs=entries[0], loss_fn=token_mean)
+    with pytest.raises(MicrobatchError, match=r"context \(9, False, True\)\)\) was traced .*stage 1 receives mask_0 for micro-batch 0 only.*a pytree class's context\) changes which values cross the stages"):
+        pipe.step(microbatches=entries, targets=targets)
+    entries[0]["mask"].causal = False
+    loss = pipe.step(microbatches=entries, targets=targets)
+    eager = eager_step(model, entries, targets)
+    assert abs(float(loss) - float(eager)) <= 1e-12 * abs(float(eager)) and grad_error(pipe, model) < 1e-12
+    assert [s.count("context (9, False, True)") for s in pipe.signatures] == [0, 1], pipe.signatures
+
+
 def test_packed_masks_under_export_one_program_per_length() -> None:
     loss, eager, err, pipe, _ = listed_step("zb-h1", frontend="export")
     assert abs(loss - eager) <= 1e-12 * abs(eager) and err < 1e-12, (loss, eager, err)

@@ -195,18 +195,45 @@ def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Excepti
 
 def _check_same_edges(programs: list[Program]) -> None:
     """Raise MicrobatchError when two micro-batches' programs cross the stages on other
-    edges: one step's messages and hand-offs are planned on one set of edges."""
+    edges: one step's messages and hand-offs are planned on one set of edges. The message
+    names the values one program's stages receive and the other's do not, and the fix:
+    another frontend when only sizes differ, steps of their own when a Python value (a
+    constant, a pytree class's context) changed what the stages exchange."""
     def edges(program: Program) -> tuple:
         return tuple(program.part.edge_ends), tuple((tuple(s.recv_ids), tuple(s.send_ids)) for s in program.part.stages)
 
     first = edges(programs[0])
     for i, program in enumerate(programs):
         if program is not programs[0] and edges(program) != first:
-            raise MicrobatchError(
-                f"micro-batch {i}'s input signature ({program.part.key.brief()}) was traced into stages that exchange "
-                f"other values than micro-batch 0's ({programs[0].part.key.brief()}), so they cannot run in one step; "
-                "run them in steps of their own, or trace once for every size (Plan(frontend='fx'))"
+            mine, theirs = programs[0].part, program.part
+            fix = (
+                "trace once for every size (Plan(frontend='fx'))"
+                if _sizes_only(mine.key, theirs.key)
+                else "a Python value of the call (a constant, a pytree class's context) changes which values cross the stages"
             )
+            raise MicrobatchError(
+                f"micro-batch {i}'s input signature ({theirs.key.brief()}) was traced into stages that exchange "
+                f"other values than micro-batch 0's ({mine.key.brief()}; {_received_difference(mine, theirs, i)}), so they "
+                f"cannot run in one step: {fix}; run them in steps of their own"
+            )
+
+
+def _received_difference(first: Any, other: Any, i: int) -> str:
+    """Which values a stage receives under one partition and not the other, by name."""
+    def received(part: Any) -> set[tuple[int, str]]:
+        return {(s.index, e.name) for s in part.stages for e in s.inputs}
+
+    only = [(received(first) - received(other), "0"), (received(other) - received(first), str(i))]
+    said = [f"stage {s} receives {name} for micro-batch {k} only" for names, k in only for s, name in sorted(names)]
+    return ", ".join(said) or "the same values, on other edges or in another order"
+
+
+def _sizes_only(first: Any, other: Any) -> bool:
+    """Whether two trace keys differ in tensor sizes only (the fx frontend's program is one for every size)."""
+    def sizeless(key: Any) -> tuple:
+        return tuple((n, s, tuple(getattr(d, "dtype", d) for d in leaves)) for n, s, leaves in key.arguments)
+
+    return first is not None and other is not None and sizeless(first) == sizeless(other)
 
 
 def _shape_of(value: Any) -> list[int] | str:
