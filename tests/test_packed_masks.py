@@ -153,16 +153,16 @@ def whole_batch(rows: int, seed: int) -> tuple[torch.Tensor, object, torch.Tenso
     return torch.randint(0, VOCAB, (rows, 12), generator=g), packed_mask(docs), target
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("frontend", ["fx", "export"])
-def test_a_whole_batch_mask_is_cut_with_the_batch_under_either_frontend(frontend: str) -> None:
+def test_a_whole_batch_mask_is_cut_with_the_batch_under_either_frontend(frontend: str, schedule: str) -> None:
     """Batch 8 cut into 4 micro-batches of 2 rows, each its rows' pos and same_doc and the
     shared bias; then a batch of 6 (micro-batches of 2 and 1): export's trace kept the
     batch dim symbolic, so neither frontend traces again."""
     torch.manual_seed(0)
     model = PackedLM().double()
     ids, mask, target = whole_batch(8, 0)
-    plan = fxpipe.Plan(split=["blocks.2"], devices=["cpu"] * 2, schedule="zb-h1", microbatches=4, frontend=frontend)
-    pipe = fxpipe.compile(model, plan, example_inputs=(ids, mask), loss_fn=token_mean)
+    pipe = fxpipe.compile(model, plan_for(schedule, microbatches=4, frontend=frontend), example_inputs=(ids, mask), loss_fn=token_mean)
     for rows, seed in ((8, 0), (6, 1)):
         ids, mask, target = whole_batch(rows, seed)
         model.zero_grad()
@@ -214,3 +214,19 @@ def packed_per_replica(schedule: str) -> tuple[float, float, float]:
 def test_packed_masks_per_replica_under_data_parallelism_equal_eager_over_both() -> None:
     for rank, (loss, eager, err) in enumerate(launch(packed_per_replica, 4, ("zb-h1",), timeout=300)):
         assert abs(loss - eager) <= 1e-12 * abs(eager) and err < 1e-12, (rank, loss, eager, err)
+
+
+def test_a_batch_that_export_fixed_at_the_example_size_is_named_when_its_stages_fail(monkeypatch) -> None:
+    """torch.export's symbolic-batch attempt made to fail (as it did for a registered class
+    before dynamic shapes followed its children): the static program holds batch 8, and
+    its stages fail on micro-batches of 2 rows; the error says why and what to do."""
+    import fxpipe.passes.trace_export as trace_export
+
+    monkeypatch.setattr(trace_export, "_dynamic_batch_shapes", lambda bound: {name: {0: "not a dim"} for name in bound.arguments})
+    torch.manual_seed(0)
+    model = PackedLM().double()
+    ids, mask, target = whole_batch(8, 0)
+    plan = fxpipe.Plan(split=["blocks.2"], devices=["cpu"] * 2, microbatches=4, frontend="export")
+    pipe = fxpipe.compile(model, plan, example_inputs=(ids, mask), loss_fn=token_mean)
+    with pytest.raises(MicrobatchError, match=r"traced with the batch size fixed at 8 \(torch.export specialised the batch size .*runs micro-batches of \[2\] rows: .*Plan\(frontend='fx'\).* A stage failed on them: .*is invalid for input of size"):
+        pipe.step(ids, mask, target=target)

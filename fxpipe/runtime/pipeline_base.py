@@ -90,7 +90,8 @@ class Batch:
     own); listed: the caller passed the micro-batches as a list, ``calls`` holding each
     one's (args, kwargs); whole / call: the flat inputs before the cut and the call's own
     arguments (a batch that was cut); step: every replica's (inputs, target, size) as far
-    as this process knows them (a listed step: this replica's).
+    as this process knows them (a listed step: this replica's); baked: why a stage may fail
+    on these micro-batches' sizes (:func:`_baked_batch`), or "".
     """
 
     inputs: list[list]
@@ -103,6 +104,7 @@ class Batch:
     programs: list[Program] = field(default_factory=list)
     step: list[tuple[list, Any, int]] = field(default_factory=list)
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
+    baked: str = ""
 
     @property
     def listed(self) -> bool:
@@ -216,6 +218,26 @@ def _check_same_edges(programs: list[Program]) -> None:
                 f"other values than micro-batch 0's ({mine.key.brief()}; {_received_difference(mine, theirs, i)}), so they "
                 f"cannot run in one step: {fix}; run them in steps of their own"
             )
+
+
+def _baked_batch(program: Program, batch: int | None, sizes: list[int]) -> str:
+    """Why ``program``'s stages may fail on micro-batches of ``sizes``: its trace holds the
+    call's ``batch`` size (dim 0 of its first tensor; torch.export could not keep it
+    symbolic and traced every size as the example's) and a micro-batch has another size.
+    "" when the trace does not hold it. Said only if a stage fails: a program with no
+    shape baked into an operation still runs."""
+    key = program.part.key
+    shapes = [d.shape for _, _, leaves in (key.arguments if key is not None else ()) for d in leaves if getattr(d, "shape", None)]
+    traced = shapes[0][0] if shapes else None
+    if traced is None or traced != batch or all(n == traced for n in sizes):
+        return ""
+    why = [n for n in program.part.notes if "specialised the batch" in n]
+    return (
+        f"the program of {key.brief()} was traced with the batch size fixed at {traced}"
+        f"{' (' + why[0] + ')' if why else ''}, and runs micro-batches of {sorted(set(sizes))} rows: "
+        "make torch.export keep dim 0 symbolic (what it specialised on is named above), trace with Plan(frontend='fx'), "
+        f"or pass batches that cut into micro-batches of {traced} rows"
+    )
 
 
 def _received_difference(first: Any, other: Any, i: int) -> str:
@@ -376,6 +398,7 @@ class PipelineBase(PipelineViews):
         first = self.replica * len(inputs)
         batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
         batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
+        batch.baked = _baked_batch(program, microbatch.batch_size(flat), sizes)
         return batch
 
     def _listed(self, entries: Any, targets: Any) -> Batch:
@@ -406,7 +429,7 @@ class PipelineBase(PipelineViews):
         """
         batch = self._batch(args, kwargs, None, microbatches, None)
         ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         return self._output(batch, ctx)
 
     forward = __call__
@@ -448,7 +471,7 @@ class PipelineBase(PipelineViews):
         # measured in the first step of each signature (of each listed micro-batch) and micro-batch count only
         measured = (tuple(id(p) for p in batch.programs), len(batch.inputs))
         ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         batch.backward_inputs(wanted)
         if ctx.memory.measured:
             self._measured.add(measured)
@@ -577,6 +600,16 @@ class PipelineBase(PipelineViews):
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
         return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
+
+    def _run(self, batch: Batch, ctx: StepContext) -> None:
+        """Execute the batch; a failure of micro-batches whose sizes the program did not
+        trace (``Batch.baked``) is a MicrobatchError saying so, with the stage's error."""
+        try:
+            self._execute(batch, ctx)
+        except Exception as err:
+            if not batch.baked:
+                raise
+            raise MicrobatchError(f"{batch.baked}. A stage failed on them: {err}") from err
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError
