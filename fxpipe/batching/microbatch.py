@@ -10,7 +10,8 @@ batch's. A step's target is cut the same way, and must be batch-sized.
 
 A step may instead be given its micro-batches as a list (``pipe.step(microbatches=[...])``):
 each entry one micro-batch's arguments, of any sizes. :func:`listed_calls` checks that
-the entries agree on everything but sizes (:func:`argument_structure`).
+the entries agree on everything but sizes and the contexts of registered pytree classes (a
+mask's ``seq_len``), which a signature of their own serves (:func:`argument_structure`).
 
 Outputs are put back together by what they are, decided at compile time: an output
 whose dim 0 follows the input batch (``fxpipe.batching.batched_outputs``) is concatenated; any
@@ -23,6 +24,7 @@ namedtuple fields joined by dots ("1", "aux", "0.aux"); a bare tensor's path is 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -146,7 +148,7 @@ def listed_calls(entries: Any, targets: Any, forward: Any) -> tuple[list[tuple[t
     Returns ((args, kwargs) per micro-batch, one target per micro-batch: None each when
     ``targets`` is None). Raises MicrobatchError for an empty list, an entry of another
     kind, a targets list of another length, or entries whose arguments differ in anything
-    but sizes (naming the micro-batch and the argument).
+    but sizes and registered classes' contexts (naming the micro-batch and the argument).
     """
     if not isinstance(entries, list | tuple) or not entries:
         raise MicrobatchError(
@@ -169,8 +171,9 @@ def listed_calls(entries: Any, targets: Any, forward: Any) -> tuple[list[tuple[t
         if differences:
             raise MicrobatchError(
                 f"micro-batch {i} passes other arguments than micro-batch 0 ({'; '.join(differences)}): the entries of "
-                "microbatches= may differ in their tensors' sizes only (sequence length, batch size), not in which "
-                "arguments are given, their dtypes, ranks, containers or constants; run the others in a step of their own"
+                "microbatches= may differ in their tensors' sizes (sequence length, batch size) and in the Python values "
+                "a registered pytree class keeps in its context (a mask's seq_len: traced once per value), not in which "
+                "arguments are given, their dtypes, ranks, containers, children or constants; run the others in a step of their own"
             )
     return calls, list(targets)
 
@@ -207,7 +210,23 @@ def _shape_free(value: Any) -> tuple[str, str]:
         f"{str(t.dtype).replace('torch.', '')}[{', '.join('*' * t.dim())}]" if isinstance(t, torch.Tensor) else repr(t)
         for t in leaves
     ]
-    return _rendered(spec, iter(described)), f"{spec} {described}"
+    return _rendered(spec, iter(described)), f"{_context_free(spec)} {described}"
+
+
+# containers whose context is part of what they hold (dict keys, a NamedTuple's class,
+# a deque's maxlen): a different context is a different container
+_CONTEXT_IS_STRUCTURE = (dict, OrderedDict, defaultdict, deque)
+
+
+def _context_free(spec: pytree.TreeSpec) -> str:
+    """The pytree structure, without the context of registered classes: the Python values
+    a class keeps beside its children (a BlockMask's sequence lengths) are traced as
+    constants, so a micro-batch whose context differs gets a signature (a trace) of its own."""
+    if spec.is_leaf():
+        return "*"
+    keep = issubclass(spec.type, _CONTEXT_IS_STRUCTURE) or pytree.is_namedtuple_class(spec.type)
+    context = f"{spec.context!r}" if keep else ""
+    return f"{spec.type.__qualname__}{context}({', '.join(_context_free(c) for c in spec.children())})"
 
 
 def _rendered(spec: pytree.TreeSpec, leaves: Iterator[str]) -> str:

@@ -91,7 +91,8 @@ class Batch:
     own); listed: the caller passed the micro-batches as a list, ``calls`` holding each
     one's (args, kwargs); whole / call: the flat inputs before the cut and the call's own
     arguments (a batch that was cut); step: every replica's (inputs, target, size) as far
-    as this process knows them (a listed step: this replica's).
+    as this process knows them (a listed step: this replica's); baked: why a stage may fail
+    on these micro-batches' sizes (:func:`_baked_batch`), or "".
     """
 
     inputs: list[list]
@@ -104,6 +105,7 @@ class Batch:
     programs: list[Program] = field(default_factory=list)
     step: list[tuple[list, Any, int]] = field(default_factory=list)
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
+    baked: str = ""
 
     @property
     def listed(self) -> bool:
@@ -196,18 +198,65 @@ def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Excepti
 
 def _check_same_edges(programs: list[Program]) -> None:
     """Raise MicrobatchError when two micro-batches' programs cross the stages on other
-    edges: one step's messages and hand-offs are planned on one set of edges."""
+    edges: one step's messages and hand-offs are planned on one set of edges. The message
+    names the values one program's stages receive and the other's do not, and the fix:
+    another frontend when only sizes differ, steps of their own when a Python value (a
+    constant, a pytree class's context) changed what the stages exchange."""
     def edges(program: Program) -> tuple:
         return tuple(program.part.edge_ends), tuple((tuple(s.recv_ids), tuple(s.send_ids)) for s in program.part.stages)
 
     first = edges(programs[0])
     for i, program in enumerate(programs):
         if program is not programs[0] and edges(program) != first:
-            raise MicrobatchError(
-                f"micro-batch {i}'s input signature ({program.part.key.brief()}) was traced into stages that exchange "
-                f"other values than micro-batch 0's ({programs[0].part.key.brief()}), so they cannot run in one step; "
-                "run them in steps of their own, or trace once for every size (Plan(frontend='fx'))"
+            mine, theirs = programs[0].part, program.part
+            fix = (
+                "trace once for every size (Plan(frontend='fx'))"
+                if _sizes_only(mine.key, theirs.key)
+                else "a Python value of the call (a constant, a pytree class's context) changes which values cross the stages"
             )
+            raise MicrobatchError(
+                f"micro-batch {i}'s input signature ({theirs.key.brief()}) was traced into stages that exchange "
+                f"other values than micro-batch 0's ({mine.key.brief()}; {_received_difference(mine, theirs, i)}), so they "
+                f"cannot run in one step: {fix}; run them in steps of their own"
+            )
+
+
+def _baked_batch(program: Program, batch: int | None, sizes: list[int]) -> str:
+    """Why ``program``'s stages may fail on micro-batches of ``sizes``: its trace holds the
+    call's ``batch`` size (dim 0 of its first tensor; torch.export could not keep it
+    symbolic and traced every size as the example's) and a micro-batch has another size.
+    "" when the trace does not hold it. Said only if a stage fails: a program with no
+    shape baked into an operation still runs."""
+    key = program.part.key
+    shapes = [d.shape for _, _, leaves in (key.arguments if key is not None else ()) for d in leaves if getattr(d, "shape", None)]
+    traced = shapes[0][0] if shapes else None
+    if traced is None or traced != batch or all(n == traced for n in sizes):
+        return ""
+    why = [n for n in program.part.notes if "specialised the batch" in n]
+    return (
+        f"the program of {key.brief()} was traced with the batch size fixed at {traced}"
+        f"{' (' + why[0] + ')' if why else ''}, and runs micro-batches of {sorted(set(sizes))} rows: "
+        "make torch.export keep dim 0 symbolic (what it specialised on is named above), trace with Plan(frontend='fx'), "
+        f"or pass batches that cut into micro-batches of {traced} rows"
+    )
+
+
+def _received_difference(first: Any, other: Any, i: int) -> str:
+    """Which values a stage receives under one partition and not the other, by name."""
+    def received(part: Any) -> set[tuple[int, str]]:
+        return {(s.index, e.name) for s in part.stages for e in s.inputs}
+
+    only = [(received(first) - received(other), "0"), (received(other) - received(first), str(i))]
+    said = [f"stage {s} receives {name} for micro-batch {k} only" for names, k in only for s, name in sorted(names)]
+    return ", ".join(said) or "the same values, on other edges or in another order"
+
+
+def _sizes_only(first: Any, other: Any) -> bool:
+    """Whether two trace keys differ in tensor sizes only (the fx frontend's program is one for every size)."""
+    def sizeless(key: Any) -> tuple:
+        return tuple((n, s, tuple(getattr(d, "dtype", d) for d in leaves)) for n, s, leaves in key.arguments)
+
+    return first is not None and other is not None and sizeless(first) == sizeless(other)
 
 
 def _shape_of(value: Any) -> list[int] | str:
@@ -364,6 +413,7 @@ class PipelineBase(PipelineViews):
         first = self.replica * len(inputs)
         batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
         batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
+        batch.baked = _baked_batch(program, microbatch.batch_size(flat), sizes)
         return batch
 
     def _listed(self, entries: Any, targets: Any) -> Batch:
@@ -394,7 +444,7 @@ class PipelineBase(PipelineViews):
         """
         batch = self._batch(args, kwargs, None, microbatches, None, forward_only=True)
         ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         return self._output(batch, ctx)
 
     forward = __call__
@@ -438,7 +488,7 @@ class PipelineBase(PipelineViews):
         # measured in the first step of each signature (of each listed micro-batch) and micro-batch count only
         measured = (tuple(id(p) for p in batch.programs), len(batch.inputs))
         ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         batch.backward_inputs(wanted)
         if ctx.memory.measured:
             self._measured.add(measured)
@@ -601,6 +651,16 @@ class PipelineBase(PipelineViews):
             return by_samples
         total = sum(counts[0] for _, counts in parts)
         return [counts[0] / total for _, counts in parts] if total > 0 else by_samples
+
+    def _run(self, batch: Batch, ctx: StepContext) -> None:
+        """Execute the batch; a failure of micro-batches whose sizes the program did not
+        trace (``Batch.baked``) is a MicrobatchError saying so, with the stage's error."""
+        try:
+            self._execute(batch, ctx)
+        except Exception as err:
+            if not batch.baked:
+                raise
+            raise MicrobatchError(f"{batch.baked}. A stage failed on them: {err}") from err
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError
