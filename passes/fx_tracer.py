@@ -49,11 +49,12 @@ from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.passes.fx_untraceable import untraceable_contexts
 from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
-from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS
+from fxpipe.passes.meta import COMPUTE_OPS, CUSTOM, MODULE_PATH, OPAQUE, OPAQUE_DRAWS, TAG_KEY
 from fxpipe.passes.module_state import WriteJournal
+from fxpipe.passes.moves import read_move
 from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
 from fxpipe.passes.signature import is_constant
-from fxpipe.passes.tags import TagError, opaque_scope
+from fxpipe.passes.tags import TagError, opaque_scope, tag_of
 from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace_errors import first_line, is_internal, user_frame
 from fxpipe.passes.traced_values import (
@@ -151,6 +152,8 @@ class PipeTracer(fx.Tracer):
         self._writes = WriteJournal(self.tracing_here)
         self._thread = threading.get_ident()
         self._replaying = 0
+        self._moved_to: str | None = None  # the device of the last move read (passes/moves.py)
+        self.moves_read = 0
 
     # ------------------------------------------------------------------ entry
     def trace_call(self, model: nn.Module, call: RootCall) -> fx.Graph:
@@ -215,7 +218,37 @@ class PipeTracer(fx.Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
+        if self._moved_to is not None and node.op in COMPUTE_OPS and tag_of(node) is None:
+            _tag(node, self._moved_to)  # a device_guard inside wins, as the innermost guard does
         return node
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **options: Any) -> fx.Proxy:
+        """fx's, except that a move of a traced tensor to a CUDA device (``x.to("cuda:1")``,
+        ``x.cuda(1)``) is read as a device tag from here on and leaves no node (see
+        ``passes/moves.py``); what else it asks (a dtype) stays a ``.to`` without the device."""
+        if kind == "call_method" and target in ("to", "cuda") and args and isinstance(args[0], fx.Proxy) and args[0].tracer is self:
+            move = read_move(target, args[1:], kwargs)
+            if move is not None:
+                self._read_move(args[0].node, move.device)
+                if move.leaves_nothing:
+                    return args[0]
+                return super().create_proxy(kind, "to", (args[0], *move.args), dict(move.kwargs), *rest, **options)
+        return super().create_proxy(kind, target, args, kwargs, *rest, **options)
+
+    def _read_move(self, moved: fx.Node, device: str) -> None:
+        """Nodes from now on run on ``device``. At the first move, the computation before it
+        (untagged) runs where the moved value is (its example's device: where the user placed
+        the modules that made it), so the move is a stage boundary."""
+        if self.moves_read == 0:
+            value = self._value(moved)
+            where = value.device if isinstance(value, torch.Tensor) else None
+            if where is not None and where.type in ("cpu", "cuda"):
+                before = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
+                for node in self.graph.nodes:
+                    if node.op in COMPUTE_OPS and tag_of(node) is None:
+                        _tag(node, before)
+        self._moved_to = device
+        self.moves_read += 1
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_classes):
@@ -256,7 +289,8 @@ class PipeTracer(fx.Tracer):
             callee = _callee(f"{path} ({type(m).__name__})", "module", err, {path})
             self._opaque_modules[id(m)] = callee
             return self._call_opaque_module(path, args, kwargs, callee)
-        made = capture(self.graph, mark[0], path, leaves, out)
+        # a move read inside changes the device of what follows the call: never stamped
+        made = capture(self.graph, mark[0], path, leaves, out) if self.moves_read == mark[3][1] else None
         if made is not None:
             plain_ints(made)
         if keyed is not None:
@@ -265,7 +299,13 @@ class PipeTracer(fx.Tracer):
 
     def _stamp(self, template: Template, path: str, leaves: list[Any]) -> Any:
         rebound = functools.partial(self.blocks.rebound_callee, old=template.path, new=path)
-        _, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
+        env, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
+        for node in template.nodes:  # the copies run where the last move sent them, not the template
+            copy = env[node]
+            if copy.op in COMPUTE_OPS and TAG_KEY in (copy.meta.get(CUSTOM) or {}):
+                copy.meta[CUSTOM] = {k: v for k, v in copy.meta[CUSTOM].items() if k != TAG_KEY}
+            if copy.op in COMPUTE_OPS and self._moved_to is not None:
+                _tag(copy, self._moved_to)
         self.blocks.stamped += 1
         return pytree.tree_unflatten([self.proxy(o) if isinstance(o, fx.Node) else o for o in outputs], spec)
 
@@ -397,14 +437,15 @@ class PipeTracer(fx.Tracer):
                 return fn
         return None
 
-    def _mark(self) -> tuple[fx.Node | None, int, int]:
+    def _mark(self) -> tuple[fx.Node | None, int, int, tuple[str | None, int]]:
         nodes = self.graph.nodes
-        return (next(iter(reversed(nodes)), None) if len(nodes) else None), len(self.module_stack), self._writes.mark()
+        last = next(iter(reversed(nodes)), None) if len(nodes) else None
+        return last, len(self.module_stack), self._writes.mark(), (self._moved_to, self.moves_read)
 
-    def _rollback(self, mark: tuple[fx.Node | None, int, int]) -> None:
+    def _rollback(self, mark: tuple[fx.Node | None, int, int, tuple[str | None, int]]) -> None:
         """Erase what a failed attempt added to the graph, fx's bookkeeping of it, and set
-        back the module attributes it wrote."""
-        last, depth, writes = mark
+        back the module attributes it wrote and the moves it read."""
+        last, depth, writes, (self._moved_to, self.moves_read) = mark
         self._writes.undo(writes)
         doomed = []
         for node in reversed(self.graph.nodes):
@@ -568,6 +609,10 @@ class PipeTracer(fx.Tracer):
     def tracing_here(self) -> bool:
         """Whether the current thread is tracing (not replaying) for this tracer."""
         return threading.get_ident() == self._thread and not self._replaying
+
+
+def _tag(node: fx.Node, device: str) -> None:
+    node.meta[CUSTOM] = {**(node.meta.get(CUSTOM) or {}), TAG_KEY: device}
 
 
 def _callee(name: str, kind: str, err: BaseException, modules: set[str]) -> OpaqueCallee:
