@@ -224,29 +224,35 @@ class PipeTracer(fx.Tracer):
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **options: Any) -> fx.Proxy:
         """fx's, except that a move of a traced tensor to a CUDA device (``x.to("cuda:1")``,
-        ``x.cuda(1)``) is read as a device tag from here on and leaves no node (see
-        ``passes/moves.py``); what else it asks (a dtype) stays a ``.to`` without the device."""
+        ``x.cuda(1)``) leaves no node (see ``passes/moves.py``): one to another device than the
+        value's is read as a device tag from here on; what else it asks (a dtype) stays a
+        ``.to`` without the device."""
         if kind == "call_method" and target in ("to", "cuda") and args and isinstance(args[0], fx.Proxy) and args[0].tracer is self:
             move = read_move(target, args[1:], kwargs)
             if move is not None:
-                self._read_move(args[0].node, move.device)
+                where = self._device_of(args[0].node)
+                if where != move.device:  # ``.to(x.device)`` of a value already there moves nothing
+                    self._read_move(where, move.device)
                 if move.leaves_nothing:
                     return args[0]
                 return super().create_proxy(kind, "to", (args[0], *move.args), dict(move.kwargs), *rest, **options)
         return super().create_proxy(kind, target, args, kwargs, *rest, **options)
 
-    def _read_move(self, moved: fx.Node, device: str) -> None:
+    def _device_of(self, node: fx.Node) -> str | None:
+        """The canonical device of a traced tensor's example value, or None (not a tensor, meta)."""
+        value = self._value(node)
+        if not isinstance(value, torch.Tensor) or value.device.type not in ("cpu", "cuda"):
+            return None
+        return "cpu" if value.device.type == "cpu" else f"cuda:{value.device.index or 0}"
+
+    def _read_move(self, before: str | None, device: str) -> None:
         """Nodes from now on run on ``device``. At the first move, the computation before it
-        (untagged) runs where the moved value is (its example's device: where the user placed
-        the modules that made it), so the move is a stage boundary."""
-        if self.moves_read == 0:
-            value = self._value(moved)
-            where = value.device if isinstance(value, torch.Tensor) else None
-            if where is not None and where.type in ("cpu", "cuda"):
-                before = "cpu" if where.type == "cpu" else f"cuda:{where.index or 0}"
-                for node in self.graph.nodes:
-                    if node.op in COMPUTE_OPS and tag_of(node) is None:
-                        _tag(node, before)
+        (untagged) runs where the moved value is (``before``: where the user placed the
+        modules that made it), so the move is a stage boundary."""
+        if self.moves_read == 0 and before is not None:
+            for node in self.graph.nodes:
+                if node.op in COMPUTE_OPS and tag_of(node) is None:
+                    _tag(node, before)
         self._moved_to = device
         self.moves_read += 1
 

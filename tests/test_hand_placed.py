@@ -172,3 +172,22 @@ def test_every_spelling_of_a_cuda_move_is_a_tag_and_dtypes_survive() -> None:
 def test_read_move_reads_cuda_devices_only(method: str, args: tuple, kwargs: dict, device: str | None) -> None:
     move = read_move(method, args, kwargs)
     assert (move.device if move is not None else None) == device
+
+
+class DeviceOfInput(nn.Module):
+    """HF-style ``.to(x.device)``: a device read from a traced tensor, not a placement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).to(x.device) + torch.ones(4).to(x.device))
+
+
+def test_a_device_read_from_a_traced_tensor_is_no_move() -> None:
+    x = torch.randn(4, 4)
+    part = fxpipe.partition(DeviceOfInput(), fxpipe.Plan(split=["b"], devices=["cpu:0", "cpu:1"], microbatches=2), example_inputs=(x,))
+    assert _stage_ops(part).count("to") == 2  # both kept, run as written
+    assert len(fxpipe.partition(DeviceOfInput(), fxpipe.Plan(), example_inputs=(x,)).stages) == 1  # no tag read
