@@ -36,15 +36,23 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fxpipe.cli import main as fxpipe_main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ("docs/tutorial.md", "docs/inspection.md", "docs/examples.md")
 MARKER = re.compile(r"^<!-- output: (.*?) -->$")
 FENCE = re.compile(r"^```(\S*)\s*$")
 COMMAND_TIMEOUT = 3600
+PROGRESS = re.compile(r"^fxpipe: compil(?:ed|ing) ")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as messages name it: from the repository root when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 class DocsError(RuntimeError):
@@ -68,7 +76,7 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line + 1}: {self.command}"
+        return f"{_shown(self.page)}:{self.line + 1}: {self.command}"
 
 
 def parse_marker(body: str, where: str) -> tuple[str, list[tuple[str, str]], bool]:
@@ -100,7 +108,7 @@ def blocks_of(page: Path) -> list[Block]:
         fence = FENCE.match(lines[k])
         marker = MARKER.match(lines[k])
         if marker:
-            where = f"{page.relative_to(ROOT)}:{k + 1}"
+            where = f"{_shown(page)}:{k + 1}"
             command, filters, cheap = parse_marker(marker.group(1), where)
             if k + 1 >= len(lines) or lines[k + 1] != "```":
                 raise DocsError(f"{where}: an output marker must stand right before a ``` block (no language)")
@@ -109,7 +117,7 @@ def blocks_of(page: Path) -> list[Block]:
             k = end + 1
             continue
         if fence:
-            end = _closing(lines, k, f"{page.relative_to(ROOT)}:{k + 1}")
+            end = _closing(lines, k, f"{_shown(page)}:{k + 1}")
             if fence.group(1) == "python":
                 code.append((k, "\n".join(lines[k + 1 : end])))
             k = end + 1
@@ -181,21 +189,46 @@ def run_command(command: str, cwd: Path = ROOT, merge_stderr: bool = False) -> s
 
 
 def _run(command: str, cwd: Path, merge_stderr: bool) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "COLUMNS": "100"}
-    done = subprocess.run(argv_of(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.update(COLUMNS="100", PYTHONUNBUFFERED="1")  # both streams in the order written
+    stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+    done = subprocess.run(argv_of(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=COMMAND_TIMEOUT)
     if done.returncode != 0 and not merge_stderr:
         raise DocsError(f"`{command}` exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    out = done.stdout + (done.stderr if merge_stderr else "")
-    return "\n".join(line.split("\r")[-1] for line in out.rstrip("\n").splitlines())
+    return _printed(done.stdout)
 
 
 def run_console(text: str, folder: Path = ROOT) -> str:
     """Each ``$ command`` line of a console block followed by what it prints now, run in
-    ``folder``."""
+    ``folder``: an ``fxpipe`` command in this process (``fxpipe.cli.main``; seconds instead of
+    a fresh interpreter's import of torch), any other as :func:`run_command` runs it."""
     commands = [line[2:] for line in text.splitlines() if line.startswith("$ ")]
     if not commands:
         raise DocsError("a console block holds no `$ command` line")
-    return "\n".join(f"$ {c}\n{run_command(c, folder, merge_stderr=True)}" for c in commands)
+    printed = [run_fxpipe_here(c, folder) if c.startswith("fxpipe ") else run_command(c, folder, merge_stderr=True) for c in commands]
+    return "\n".join(f"$ {c}\n{out}" for c, out in zip(commands, printed))
+
+
+def run_fxpipe_here(command: str, folder: Path) -> str:
+    """What an ``fxpipe`` command line prints, standard output and error in the order written,
+    run by ``fxpipe.cli.main`` in this process with ``folder`` as the current folder."""
+    out = io.StringIO()
+    path = list(sys.path)
+    with _inside(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            fxpipe_main(shlex.split(command)[1:])
+        except SystemExit:  # argparse's own errors
+            pass
+        finally:
+            sys.path[:] = path  # the model file's folder leaves with the command
+    return _printed(out.getvalue())
+
+
+def _printed(out: str) -> str:
+    """Printed text as a terminal leaves it: a progress bar's last state; without fxpipe's
+    compile-progress lines, which only compiles longer than 2 s print."""
+    lines = [line.split("\r")[-1] for line in out.rstrip("\n").split("\n")]
+    return "\n".join(line for line in lines if not PROGRESS.match(line))
 
 
 class Page:
@@ -266,18 +299,18 @@ def produce(block: Block, page: Page, previous_page_line: int) -> str:
     return "\n".join(line.rstrip() for line in filtered(raw, block.filters).splitlines()).strip("\n")
 
 
-def outputs(path: Path, only: re.Pattern[str] | None = None) -> Iterator[tuple[Block, str]]:
-    """Each marked block of the page at ``path`` (those whose name matches ``only``) with
-    what it should hold now. A ``page`` block runs the page's code up to it."""
+def outputs(path: Path, wanted: Callable[[Block], bool] = lambda block: True) -> Iterator[tuple[Block, str]]:
+    """Each marked block of the page at ``path`` that is ``wanted``, with what it should hold
+    now. A ``page`` block runs the page's code up to it."""
     page, previous = Page(), -1
     try:
         for block in blocks_of(path):
-            wanted = only is None or only.search(block.name)
+            asked = wanted(block)
             if block.command == "page":
-                if wanted:
+                if asked:
                     yield block, produce(block, page, previous)
                 previous = block.line
-            elif wanted:
+            elif asked:
                 yield block, produce(block, page, previous)
     finally:
         page.scratch.cleanup()
@@ -285,7 +318,8 @@ def outputs(path: Path, only: re.Pattern[str] | None = None) -> Iterator[tuple[B
 
 # ---------------------------------------------------------------------------- comparing
 _VARYING = [
-    (re.compile(r"\d+:\d\d(?:<\d+:\d\d)?"), "<clock>"),  # progress bars' elapsed<remaining
+    (re.compile(r"\[\d+:\d\d<[^\]]*\]"), "[<progress>]"),  # a progress bar's clock, rate and last step's figures
+    (re.compile(r"\d+:\d\d(?:<\d+:\d\d)?"), "<clock>"),
     (re.compile(r"[-+]?\d[\d,.]*(?:e[-+]?\d+)?\s?(?:µs|us|ms|s|min|h)\b"), "<time>"),
     (re.compile(r"[-+]?\d[\d.]*\s?%"), "<share>"),
     (re.compile(r"[-+]?\d[\d.]*\s?(?:step|steps|samples|tokens|it)/s\b"), "<rate>"),
@@ -297,7 +331,8 @@ _VARYING = [
 
 def normalised(text: str) -> str:
     """``text`` without what varies from run to run: durations, percentages, rates, speed
-    ratios, event counts (a measured timeline counts its waits) and column padding."""
+    ratios, event counts (a measured timeline counts its waits), what a progress bar shows
+    after its count (clock, rate, the last step's figures) and column padding."""
     lines = []
     for line in text.strip("\n").splitlines():
         for regex, stand_in in _VARYING:
@@ -328,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}:{line}: an output block without an <!-- output: ... --> marker", file=sys.stderr)
             stale += 1
         new = {}
-        for block, text in outputs(path, args.only):
+        for block, text in outputs(path, lambda b: args.only is None or bool(args.only.search(b.name))):
             same = normalised(text) == normalised(block.text)
             print(f"{'same   ' if same else 'changed'} {block.name}", flush=True)
             if not same:
