@@ -49,7 +49,15 @@ from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.passes.fx_untraceable import untraceable_contexts
 from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
-from fxpipe.passes.meta import COMPUTE_OPS, CUSTOM, MODULE_PATH, OPAQUE, OPAQUE_DRAWS, TAG_KEY
+from fxpipe.passes.meta import (
+    COMPUTE_OPS,
+    CUSTOM,
+    MODULE_PATH,
+    OPAQUE,
+    OPAQUE_DRAWS,
+    TAG_KEY,
+    TAG_SOURCE,
+)
 from fxpipe.passes.module_state import WriteJournal
 from fxpipe.passes.moves import read_move
 from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
@@ -153,6 +161,7 @@ class PipeTracer(fx.Tracer):
         self._thread = threading.get_ident()
         self._replaying = 0
         self._moved_to: str | None = None  # the device of the last move read (passes/moves.py)
+        self._move_source = ""  # that move, as explain() names it
         self.moves_read = 0
 
     # ------------------------------------------------------------------ entry
@@ -219,7 +228,7 @@ class PipeTracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
         if self._moved_to is not None and node.op in COMPUTE_OPS and tag_of(node) is None:
-            _tag(node, self._moved_to)  # a device_guard inside wins, as the innermost guard does
+            _tag(node, self._moved_to, self._move_source)  # a device_guard inside wins, as the innermost guard does
         return node
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **options: Any) -> fx.Proxy:
@@ -232,7 +241,7 @@ class PipeTracer(fx.Tracer):
             if move is not None:
                 where = self._device_of(args[0].node)
                 if where != move.device:  # ``.to(x.device)`` of a value already there moves nothing
-                    self._read_move(where, move.device)
+                    self._read_move(where, move.device, caller_line())
                 if move.leaves_nothing:
                     return args[0]
                 return super().create_proxy(kind, "to", (args[0], *move.args), dict(move.kwargs), *rest, **options)
@@ -245,15 +254,15 @@ class PipeTracer(fx.Tracer):
             return None
         return "cpu" if value.device.type == "cpu" else f"cuda:{value.device.index or 0}"
 
-    def _read_move(self, before: str | None, device: str) -> None:
-        """Nodes from now on run on ``device``. At the first move, the computation before it
-        (untagged) runs where the moved value is (``before``: where the user placed the
-        modules that made it), so the move is a stage boundary."""
+    def _read_move(self, before: str | None, device: str, line: str) -> None:
+        """Nodes from now on run on ``device`` (the move at ``line`` of forward). At the first
+        move, the computation before it (untagged) runs where the moved value is (``before``:
+        where the user placed the modules that made it), so the move is a stage boundary."""
         if self.moves_read == 0 and before is not None:
             for node in self.graph.nodes:
                 if node.op in COMPUTE_OPS and tag_of(node) is None:
-                    _tag(node, before)
-        self._moved_to = device
+                    _tag(node, before, f"before the first move in forward, where the moved value is ({before!r})")
+        self._moved_to, self._move_source = device, f"moved to {device!r} in forward ({line})"
         self.moves_read += 1
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -296,7 +305,7 @@ class PipeTracer(fx.Tracer):
             self._opaque_modules[id(m)] = callee
             return self._call_opaque_module(path, args, kwargs, callee)
         # a move read inside changes the device of what follows the call: never stamped
-        made = capture(self.graph, mark[0], path, leaves, out) if self.moves_read == mark[3][1] else None
+        made = capture(self.graph, mark[0], path, leaves, out) if self.moves_read == mark[3][2] else None
         if made is not None:
             plain_ints(made)
         if keyed is not None:
@@ -309,9 +318,9 @@ class PipeTracer(fx.Tracer):
         for node in template.nodes:  # the copies run where the last move sent them, not the template
             copy = env[node]
             if copy.op in COMPUTE_OPS and TAG_KEY in (copy.meta.get(CUSTOM) or {}):
-                copy.meta[CUSTOM] = {k: v for k, v in copy.meta[CUSTOM].items() if k != TAG_KEY}
+                copy.meta[CUSTOM] = {k: v for k, v in copy.meta[CUSTOM].items() if k not in (TAG_KEY, TAG_SOURCE)}
             if copy.op in COMPUTE_OPS and self._moved_to is not None:
-                _tag(copy, self._moved_to)
+                _tag(copy, self._moved_to, self._move_source)
         self.blocks.stamped += 1
         return pytree.tree_unflatten([self.proxy(o) if isinstance(o, fx.Node) else o for o in outputs], spec)
 
@@ -443,15 +452,15 @@ class PipeTracer(fx.Tracer):
                 return fn
         return None
 
-    def _mark(self) -> tuple[fx.Node | None, int, int, tuple[str | None, int]]:
+    def _mark(self) -> tuple[fx.Node | None, int, int, tuple[str | None, str, int]]:
         nodes = self.graph.nodes
         last = next(iter(reversed(nodes)), None) if len(nodes) else None
-        return last, len(self.module_stack), self._writes.mark(), (self._moved_to, self.moves_read)
+        return last, len(self.module_stack), self._writes.mark(), (self._moved_to, self._move_source, self.moves_read)
 
-    def _rollback(self, mark: tuple[fx.Node | None, int, int, tuple[str | None, int]]) -> None:
+    def _rollback(self, mark: tuple[fx.Node | None, int, int, tuple[str | None, str, int]]) -> None:
         """Erase what a failed attempt added to the graph, fx's bookkeeping of it, and set
         back the module attributes it wrote and the moves it read."""
-        last, depth, writes, (self._moved_to, self.moves_read) = mark
+        last, depth, writes, (self._moved_to, self._move_source, self.moves_read) = mark
         self._writes.undo(writes)
         doomed = []
         for node in reversed(self.graph.nodes):
@@ -617,8 +626,8 @@ class PipeTracer(fx.Tracer):
         return threading.get_ident() == self._thread and not self._replaying
 
 
-def _tag(node: fx.Node, device: str) -> None:
-    node.meta[CUSTOM] = {**(node.meta.get(CUSTOM) or {}), TAG_KEY: device}
+def _tag(node: fx.Node, device: str, source: str) -> None:
+    node.meta[CUSTOM] = {**(node.meta.get(CUSTOM) or {}), TAG_KEY: device, TAG_SOURCE: source}
 
 
 def _callee(name: str, kind: str, err: BaseException, modules: set[str]) -> OpaqueCallee:

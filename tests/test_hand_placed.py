@@ -104,6 +104,8 @@ def test_tutorial_toy_model_is_planned_on_its_devices_without_cuda() -> None:
     assert "net1" in part.stages[0].module_range and "relu" in part.stages[0].module_range
     assert part.stages[1].module_range == "net2"
     assert "to" not in _stage_ops(part)  # the moves are gone: a stage's device decides
+    explained = part.explain()
+    assert "stage 1 on cuda:1: moved to 'cuda:1' in forward (" in explained and "test_hand_placed.py" in explained
 
 
 def test_tutorial_toy_model_trains_on_two_cpus_equal_to_eager_without_moves() -> None:
