@@ -17,11 +17,16 @@ COMMAND is one of
 
 Filters apply in the marker's order: ``from`` drops the lines before the first match,
 ``until`` the lines from the first match on, ``drop`` every matching line; ``keep`` keeps the
-matching lines and writes one ``...`` for each run of lines left out between kept ones. ``cheap`` marks blocks quick
-enough for the default test run (``tests/test_docs_outputs.py``). :func:`normalised` is the
-comparison the test makes: durations, percentages and rates left out.
+matching lines and writes one ``...`` for each run of lines left out between kept ones.
+``cheap`` marks blocks quick enough for the default test run (``tests/test_docs_outputs.py``).
+:func:`normalised` is the comparison the test and ``--check`` make: durations, percentages,
+rates and event counts left out. fxpipe's compile-progress lines (printed only by compiles
+longer than 2 s) are never part of a block.
 
     .venv/bin/python examples/refresh_docs.py [--check] [--only REGEX] [PAGE ...]
+
+``FXPIPE_DOCS_KEEP=DIR`` keeps each command's raw output in DIR and reuses it: to tune a
+marker's filters without running its command again.
 """
 
 from __future__ import annotations
