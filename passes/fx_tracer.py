@@ -20,6 +20,10 @@ torch layers and the user's ``leaf_modules``), reads buffers as ``get_attr`` nod
   (the rng pass keys opaque callees with a scope; the stage runs them in the caller's
   autocast); a ``device_guard`` inside one is a TagError naming it.
 
+- **reads hand placement**: ``x.to("cuda:1")`` / ``x.cuda(1)`` of a traced tensor is a device
+  tag from there to the next move and leaves no node (``passes/moves.py``); the computation
+  before the first move is tagged with the moved value's device.
+
 Changing grad mode or autocast inside ``forward`` (``with torch.no_grad():``,
 ``torch.autocast``, reading ``torch.is_autocast_enabled()``) is something fx cannot
 record: the enclosing function or module runs whole instead, so it behaves as in eager.
