@@ -53,6 +53,7 @@ MARKER = re.compile(r"^<!-- output: (.*?) -->$")
 FENCE = re.compile(r"^```(\S*)\s*$")
 COMMAND_TIMEOUT = 3600
 PROGRESS = re.compile(r"^fxpipe: compil(?:ed|ing) ")
+PICTURES = "docs/img"
 
 
 def _shown(path: Path) -> str:
@@ -154,9 +155,13 @@ def _closing(lines: list[str], opening: int, where: str) -> int:
 
 
 # ---------------------------------------------------------------------------- running
-def argv_of(command: str) -> list[str]:
-    """The process a documented command line runs: this interpreter's tools."""
+def argv_of(command: str, pictures: Path | None = None) -> list[str]:
+    """The process a documented command line runs: this interpreter's tools. ``pictures``:
+    a folder for the files the command writes under ``docs/img`` instead (a check that
+    leaves the docs as they are)."""
     words = shlex.split(command)
+    if pictures is not None:
+        words = [str(pictures) + w[len(PICTURES) :] if w.startswith(PICTURES) else w for w in words]
     program, rest = words[0], words[1:]
     python = sys.executable
     if program == "fxpipe":
@@ -171,33 +176,33 @@ def argv_of(command: str) -> list[str]:
     raise DocsError(f"cannot run {command!r}: documented commands start with fxpipe, python or torchrun")
 
 
-_RUNS: dict[tuple[str, Path, bool], str] = {}  # one run per command and way of reading it
+_RUNS: dict[tuple[str, Path, bool, Path | None], str] = {}  # one run per command and way of reading it
 
 
-def run_command(command: str, cwd: Path = ROOT, merge_stderr: bool = False) -> str:
+def run_command(command: str, cwd: Path = ROOT, merge_stderr: bool = False, pictures: Path | None = None) -> str:
     """What ``command`` prints (stdout, and stderr after it when ``merge_stderr``), with
     carriage-return redraws (progress bars) reduced to their last state; a command quoted
     twice (a summary and its explain) runs once. Raises DocsError when a command that is
     not an error example fails."""
-    key = (command, cwd, merge_stderr)
+    key = (command, cwd, merge_stderr, pictures)
     if key not in _RUNS:
         kept = os.environ.get("FXPIPE_DOCS_KEEP")  # a folder: raw outputs kept there and reused (tuning filters)
         path = Path(kept) / hashlib.sha1(repr(key).encode()).hexdigest() if kept else None
         if path is not None and path.exists():
             _RUNS[key] = path.read_text()
         else:
-            _RUNS[key] = _run(command, cwd, merge_stderr)
+            _RUNS[key] = _run(command, cwd, merge_stderr, pictures)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(_RUNS[key])
     return _RUNS[key]
 
 
-def _run(command: str, cwd: Path, merge_stderr: bool) -> str:
+def _run(command: str, cwd: Path, merge_stderr: bool, pictures: Path | None) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.update(COLUMNS="100", PYTHONUNBUFFERED="1")  # both streams in the order written
     stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
-    done = subprocess.run(argv_of(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=COMMAND_TIMEOUT)
+    done = subprocess.run(argv_of(command, pictures), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=COMMAND_TIMEOUT)
     if done.returncode != 0 and not merge_stderr:
         raise DocsError(f"`{command}` exited with {done.returncode}:\n{done.stderr[-2000:]}")
     return _printed(done.stdout)
@@ -292,31 +297,35 @@ def filtered(text: str, filters: Sequence[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def produce(block: Block, page: Page, previous_page_line: int) -> str:
-    """What ``block`` should hold now: without trailing spaces, blank lines at its ends."""
+def produce(block: Block, page: Page, previous_page_line: int, pictures: Path | None = None) -> str:
+    """What ``block`` should hold now: without trailing spaces, blank lines at its ends.
+    ``pictures``: where its command writes what it would write under ``docs/img``."""
     if block.command == "page":
         raw = page.output(block, previous_page_line)
     elif block.command.split()[0] == "console":
         folder = block.command.split(maxsplit=1)[1:]
         raw = run_console(block.text, ROOT / folder[0] if folder else ROOT)
     else:
-        raw = run_command(block.command)
+        raw = run_command(block.command, pictures=pictures)
     return "\n".join(line.rstrip() for line in filtered(raw, block.filters).splitlines()).strip("\n")
 
 
-def outputs(path: Path, wanted: Callable[[Block], bool] = lambda block: True) -> Iterator[tuple[Block, str]]:
+def outputs(
+    path: Path, wanted: Callable[[Block], bool] = lambda block: True, pictures: Path | None = None
+) -> Iterator[tuple[Block, str]]:
     """Each marked block of the page at ``path`` that is ``wanted``, with what it should hold
-    now. A ``page`` block runs the page's code up to it."""
+    now. A ``page`` block runs the page's code up to it. ``pictures``: a folder for what the
+    commands would write under ``docs/img`` (None: there, as ``make docs`` wants)."""
     page, previous = Page(), -1
     try:
         for block in blocks_of(path):
             asked = wanted(block)
             if block.command == "page":
                 if asked:
-                    yield block, produce(block, page, previous)
+                    yield block, produce(block, page, previous, pictures)
                 previous = block.line
             elif asked:
-                yield block, produce(block, page, previous)
+                yield block, produce(block, page, previous, pictures)
     finally:
         page.scratch.cleanup()
 
@@ -358,25 +367,31 @@ def rewrite(path: Path, new: dict[int, str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", default=list(PAGES), help="markdown pages (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 when a block differs beyond timings")
+    parser.add_argument("--check", action="store_true", help="rewrite nothing (pictures go to a scratch folder); exit 1 when a block differs beyond timings")
     parser.add_argument("--only", type=re.compile, help="only the blocks whose 'page:line: command' matches this regex")
     args = parser.parse_args(argv)
-    stale = 0
-    for name in args.pages:
-        path = (ROOT / name).resolve()
-        for line in unmarked_outputs(path):
-            print(f"{name}:{line}: an output block without an <!-- output: ... --> marker", file=sys.stderr)
-            stale += 1
-        new = {}
-        for block, text in outputs(path, lambda b: args.only is None or bool(args.only.search(b.name))):
-            same = normalised(text) == normalised(block.text)
-            print(f"{'same   ' if same else 'changed'} {block.name}", flush=True)
-            if not same:
-                stale += 1
-            new[block.line] = text
-        if not args.check:
-            rewrite(path, new)
+    with tempfile.TemporaryDirectory(prefix="fxpipe-docs-pictures-") as scratch:
+        stale = sum(refresh(ROOT / name, args.only, Path(scratch) if args.check else None) for name in args.pages)
     return 1 if args.check and stale else 0
+
+
+def refresh(path: Path, only: re.Pattern[str] | None, pictures: Path | None) -> int:
+    """Print whether each marked block of the page at ``path`` (those whose name matches
+    ``only``) is current; rewrite the page unless ``pictures`` (a check) is given. Returns
+    how many blocks are stale or unmarked."""
+    stale = 0
+    for line in unmarked_outputs(path):
+        print(f"{_shown(path)}:{line}: an output block without an <!-- output: ... --> marker", file=sys.stderr)
+        stale += 1
+    new = {}
+    for block, text in outputs(path, lambda b: only is None or bool(only.search(b.name)), pictures):
+        same = normalised(text) == normalised(block.text)
+        print(f"{'same   ' if same else 'changed'} {block.name}", flush=True)
+        stale += not same
+        new[block.line] = text
+    if pictures is None:
+        rewrite(path, new)
+    return stale
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ def test_filters_cut_keep_and_mark_what_they_leave_out() -> None:
     assert refresh_docs.filtered(text, [("drop", "^step [12]")]) == "head\nstep 0\nstep 3\nsummary\ntail"
 
 
+def test_a_check_writes_its_pictures_elsewhere(tmp_path: Path) -> None:
+    argv = refresh_docs.argv_of("python examples/llm.py --draw docs/img/llm-split.png --out docs/img", tmp_path)
+    assert argv[-3:] == [str(tmp_path / "llm-split.png"), "--out", str(tmp_path)]
+    assert refresh_docs.argv_of("python examples/llm.py --draw docs/img/llm-split.png")[-1] == "docs/img/llm-split.png"
+
+
 def test_a_marker_without_its_block_or_with_an_unknown_filter_is_an_error(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("<!-- output: fxpipe inspect x -->\ntext\n")
@@ -69,21 +75,21 @@ def test_a_marker_without_its_block_or_with_an_unknown_filter_is_an_error(tmp_pa
         refresh_docs.parse_marker("fxpipe inspect x | grep x", "page.md:1")
 
 
-def _check(page: Path, cheap: bool) -> None:
+def _check(page: Path, cheap: bool, pictures: Path) -> None:
     stale = [
         f"{block.name}\n--- quoted\n{block.text}\n--- printed now\n{text}"
-        for block, text in refresh_docs.outputs(page, lambda b: b.cheap == cheap)
+        for block, text in refresh_docs.outputs(page, lambda b: b.cheap == cheap, pictures)
         if refresh_docs.normalised(text) != refresh_docs.normalised(block.text)
     ]
     assert not stale, "stale output in docs (run `make docs`):\n" + "\n".join(stale)
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.cheap for b in refresh_docs.blocks_of(p))], ids=lambda p: p.name)
-def test_cheap_quoted_outputs_are_what_their_commands_print(page: Path) -> None:
-    _check(page, cheap=True)
+def test_cheap_quoted_outputs_are_what_their_commands_print(page: Path, tmp_path: Path) -> None:
+    _check(page, cheap=True, pictures=tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_quoted_output_is_what_its_command_prints(page: Path) -> None:
-    _check(page, cheap=False)
+def test_every_quoted_output_is_what_its_command_prints(page: Path, tmp_path: Path) -> None:
+    _check(page, cheap=False, pictures=tmp_path)  # the docs' pictures are left as they are
