@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu test-llm test-slow lint bench bench-gpu faults soak clean install
+.PHONY: demo test test-gpu test-llm test-slow lint bench bench-gpu faults soak docs clean install
 
 install: $(STAMP)
 
@@ -78,6 +78,13 @@ faults: $(STAMP)
 # (SIGABRT at exit), other failures and hangs; tests/test_soak.py runs a 6-job sample
 soak: $(STAMP)
 	$(BIN)/python examples/benchmarks/soak.py
+
+# every output quoted in docs/tutorial.md, docs/inspection.md and docs/examples.md, printed
+# again by its command and rewritten in place, with the pictures those commands draw
+# (examples/refresh_docs.py; about 30 minutes on 2 cores); tests/test_docs_outputs.py
+# checks the cheap ones in `make test`
+docs: $(STAMP)
+	$(BIN)/python examples/refresh_docs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
