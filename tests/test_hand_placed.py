@@ -129,8 +129,9 @@ def test_tutorial_model_parallel_resnet_splits_at_the_move_and_matches_eager() -
     part = fxpipe.partition(model, fxpipe.Plan(microbatches=2), example_inputs=(x,))
     # seq1 runs where its parameters are (the CPU here; cuda:0 where __init__ moved them)
     assert part.devices == [str(next(model.seq1.parameters()).device), "cuda:1"]
-    assert "layer2" in part.stages[0].module_range and "layer3" in part.stages[1].module_range
-    assert "fc" in part.stages[1].module_range
+    # named as forward calls them: seq1 holds conv1 ... layer2, seq2 holds layer3 ... avgpool
+    assert part.stages[0].module_range.startswith("seq1.0") and "seq2" not in part.stages[0].module_range
+    assert part.stages[1].module_range.startswith("seq2.0") and part.stages[1].module_range.endswith("fc")
 
     ref = copy.deepcopy(model)
     pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], microbatches=2), example_inputs=(x,), loss_fn=nn.CrossEntropyLoss())
