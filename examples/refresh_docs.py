@@ -339,13 +339,16 @@ _VARYING = [
     (re.compile(r"[-+]?\d[\d.]*\s?(?:step|steps|samples|tokens|it)/s\b"), "<rate>"),
     (re.compile(r"[-+]?\d[\d.]*x\b"), "<ratio>"),
     (re.compile(r"\b\d+ events\b"), "<n> events"),  # a measured timeline counts its waits too
+    # float rounding noise (a float32 loss against eager's differs by ulps, in either direction)
+    (re.compile(r"[-+]?(?:\d(?:\.\d+)?e-(?:0[5-9]|[1-9]\d)|0(?:\.0+)?e[-+]0+)\b"), "<rounding>"),
     (re.compile(r"[ \t]+"), " "),
 ]
 
 
 def normalised(text: str) -> str:
     """``text`` without what varies from run to run: durations, percentages, rates, speed
-    ratios, event counts (a measured timeline counts its waits), what a progress bar shows
+    ratios, event counts (a measured timeline counts its waits), rounding noise (numbers
+    below 1e-4, zero included, written with an exponent), what a progress bar shows
     after its count (clock, rate, the last step's figures) and column padding."""
     lines = []
     for line in text.strip("\n").splitlines():

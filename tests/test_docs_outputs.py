@@ -51,6 +51,10 @@ def test_normalised_ignores_timings_but_not_results() -> None:
     bar = "train: 100%|##########| 4/4 [00:00<00:00, 21.68step/s, loss=6.9986, step=0.044s]"
     assert refresh_docs.normalised(bar) == refresh_docs.normalised(bar.replace("6.9986", "7.0070").replace("21.68", "9.1"))
     assert refresh_docs.normalised(bar) != refresh_docs.normalised(bar.replace("4/4", "3/4"))
+    row = "   59      48     12        1.363487    1.363486    2.38e-07"
+    assert refresh_docs.normalised(row) == refresh_docs.normalised(row.replace("2.38e-07", "0.00e+00"))
+    assert refresh_docs.normalised(row) != refresh_docs.normalised(row.replace("2.38e-07", "2.38e-02"))
+    assert refresh_docs.normalised(row) != refresh_docs.normalised(row.replace("1.363487", "1.363587"))
 
 
 def test_filters_cut_keep_and_mark_what_they_leave_out() -> None:
