@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import (
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
+from fxpipe.passes.assumed import check_assumed
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.targets import resolver
 
@@ -276,6 +277,10 @@ class FakeReplay:
             with self._modules_faked((args, kwargs)):
                 return fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - run for real; if that fails too, ``err`` is raised
+            if fn is check_assumed and isinstance(err, DataDependentOutputException | DynamicOutputShapeException):
+                # a trace's assumption on values the fake tensors do not hold: it is checked
+                # on the call's real values when the stage runs, never on stand-ins here
+                return None
             return self._run_for_real(node, fn, args, kwargs, err)
 
     def real_run_reasons(self) -> dict[fx.Node, str]:
