@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.batching import microbatch
 from fxpipe.devices import torch_device
+from fxpipe.passes.uncompiled import eager_code
 from fxpipe.planner.memory_model import MicrobatchMemory
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.memory import StageMemory, StepMemory
@@ -53,7 +54,7 @@ def profile(
     if inputs is None:
         inputs, _ = microbatch.microbatch_inputs(part, microbatches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with eager_code(), mode:
         runners = [_fake_runner(part, s, mode, recompute[s], offload[s]) for s in range(part.num_stages)]
         ctx = StepContext(train=True, grad_enabled=True, loss_of=_scalar_loss, memory=StepMemory())
         outputs = _forwards(runners, _fake(inputs, mode), ctx, part)
