@@ -85,7 +85,9 @@ def _fake_runner(part: Any, s: int, mode: FakeTensorMode, recompute: Recompute, 
         memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
     copied = copy_stage_module(module, memo)  # the stage's generated code reused, not generated again
     device = next((t.device for t in memo.values()), planned)
-    runner = make_runner(dataclasses.replace(stage, recompute=recompute, offload=False), copied, device, part.num_stages, part.plan)
+    # fake tensors run the stage graph itself, never compiled code
+    plan = part.plan.replace(compile=False)
+    runner = make_runner(dataclasses.replace(stage, recompute=recompute, offload=False), copied, device, part.num_stages, plan)
     runner.check_finite = False
     runner.offload = Offload(device, copy=False) if offload else None
     return runner
