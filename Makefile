@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu test-llm test-slow lint bench bench-gpu faults soak clean install
+.PHONY: demo test test-compile test-gpu test-llm test-slow lint bench bench-gpu faults soak clean install
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check fxpipe passes tests examples
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+# compiled stages (Plan(compile=True)) against eager stages over every schedule x float64 /
+# float32 x recompute (tests/test_compiled.py's compile_grid; Inductor, about 12 minutes on 2 cores)
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m compile_grid tests/test_compiled.py
 
 # the GPU path (CPU+cuda:0 stages, own streams, bf16, NCCL with 2 GPUs); skips without CUDA
 test-gpu: $(STAMP)

@@ -1,0 +1,209 @@
+"""Compiled stages (``Plan(compile=...)``) and models the user compiled themselves.
+
+Inductor takes tens of seconds a graph on two cores: the default run compiles one 2-stage
+pipeline of a 2-block model (about 30 s); the schedule x dtype x recompute grid is marked
+``compile_grid`` and runs with ``make test-compile``. User-compiled blocks run in a
+subprocess (the failure they pin was a SIGSEGV), once under a 2-rank torchrun on gloo.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.plan import PlanError
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.fc(self.ln(x))))
+
+
+class Blocks(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2, p: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width, p) for _ in range(depth)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _step(pipe, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    for _, p in pipe.named_parameters():
+        p.grad = None
+    torch.manual_seed(1)  # the step's dropout seed comes from the global generator
+    loss = pipe.step(x, target=t)
+    return loss.detach(), {name: p.grad.clone() for name, p in pipe.named_parameters()}
+
+
+def compiled_against_eager(schedule: str, dtype: torch.dtype, checkpoint, p: float = 0.1):
+    """One step of the same model and batch through eager and compiled stages; returns the
+    largest difference over the loss and every gradient, and the compiled pipeline."""
+    torch.manual_seed(0)
+    depth, chunks = (4, 2) if schedule in ("interleaved-1f1b", "zb-v", "dualpipev") else (2, 1)
+    model = Blocks(depth=depth, p=p).to(dtype)
+    x, t = torch.randn(8, 5, 16, dtype=dtype), torch.randn(8, 5, 4, dtype=dtype)
+    plan = fxpipe.Plan(
+        devices=["cpu:0", "cpu:1"], split=[f"blocks.{i}" for i in range(1, depth)], schedule=schedule, chunks=chunks,
+        checkpoint=checkpoint, microbatches=4,
+    )
+    eager = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.MSELoss())
+    compiled = fxpipe.compile(model, plan.replace(compile=True), example_inputs=(x,), loss_fn=nn.MSELoss())
+    loss_e, grads_e = _step(eager, x, t)
+    loss_c, grads_c = _step(compiled, x, t)
+    assert list(grads_c) == list(grads_e)
+    worst = max([float((loss_c - loss_e).abs())] + [float((grads_c[k] - grads_e[k]).abs().max()) for k in grads_e])
+    return worst, compiled, (x, t)
+
+
+def _graphs(pipe) -> list[int]:
+    return [r.compiled.graphs for program in pipe._programs.values() for r in program.runners.values()]
+
+
+@pytest.mark.timeout(600)
+def test_compiled_1f1b_stages_equal_eager_in_float64_with_recompute_and_dropout_and_do_not_recompile() -> None:
+    # stage 0 recomputes (its forward compiled twice: without and with autograd), stage 1 keeps
+    worst, pipe, (x, t) = compiled_against_eager("1f1b", torch.float64, [True, False], p=0.1)
+    assert worst < 1e-9, worst
+    graphs = _graphs(pipe)
+    assert all(g >= 1 for g in graphs), graphs
+    _step(pipe, x, t)
+    assert _graphs(pipe) == graphs  # a second step compiles nothing
+    summary = pipe.summary()
+    assert re.search(r"stage 0: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
+    assert re.search(r"stage 1: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (5, r"plan.compile = 5 \(int\): use False, True, or a dict"),
+        ({"modes": "default"}, r"unknown option\(s\) \['modes'\]"),
+        ({"mode": "max-autotune", "options": {"trace.enabled": True}}, "both 'mode' and 'options'"),
+    ],
+)
+def test_a_bad_plan_compile_is_a_plan_error_naming_the_fix(value, message) -> None:
+    with pytest.raises(PlanError, match=message):
+        fxpipe.Plan(compile=value)
+
+
+def test_plan_compile_accepts_a_dict_of_torch_compile_options() -> None:
+    plan = fxpipe.Plan(compile={"mode": "reduce-overhead", "dynamic": False})
+    assert plan.compile == {"mode": "reduce-overhead", "dynamic": False}
+
+
+GRID = [
+    (schedule, dtype, checkpoint)
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+    for dtype in (torch.float64, torch.float32)
+    for checkpoint in (False, True)
+]
+
+
+@pytest.mark.compile_grid
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("schedule, dtype, checkpoint", GRID, ids=[f"{s}-{str(d)[6:]}-ckpt{c}" for s, d, c in GRID])
+def test_compiled_stages_equal_eager(schedule: str, dtype: torch.dtype, checkpoint: bool) -> None:
+    worst, pipe, (x, t) = compiled_against_eager(schedule, dtype, checkpoint)
+    assert worst < (1e-9 if dtype == torch.float64 else 1e-5), worst
+    graphs = _graphs(pipe)
+    _step(pipe, x, t)
+    assert _graphs(pipe) == graphs
+
+
+USER_COMPILED = """
+import copy, os, sys, warnings
+import torch
+from torch import nn
+import fxpipe
+sys.path.insert(0, {tests!r})
+from test_compiled import Blocks
+
+how = sys.argv[1]
+torch.manual_seed(0)
+model = Blocks()
+ref = copy.deepcopy(model)
+if how == "wrapped":  # the torchtitan way: each block replaced by its torch.compile wrapper
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, fullgraph=True)
+elif how == "in_place":
+    for block in model.blocks:
+        block.compile(fullgraph=True)
+user = torch.compile(model) if how == "model" else model
+x, t = torch.randn(8, 5, 16), torch.randn(8, 5, 4)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    pipe = fxpipe.compile(user, fxpipe.Plan(split=["blocks.1"], microbatches=2), example_inputs=(x,), loss_fn=nn.MSELoss())
+warned = any("traced through torch.compile" in str(w.message) for w in seen)
+loss = pipe.step(x, target=t)
+summary = pipe.summary()
+ref_loss = nn.MSELoss()(ref(x), t)
+ref_loss.backward()
+expected = dict(ref.named_parameters())
+names = [name for name, _ in pipe.named_parameters()]
+err = max([abs(loss.item() - ref_loss.item())] + [float((p.grad - expected[n].grad).abs().max()) for n, p in pipe.named_parameters()])
+rank = os.environ.get("RANK", "0")
+print(f"rank {{rank}} {{how}} names {{all(n in expected for n in names) and bool(names)}} warned {{warned}} err {{err:.3g}}", flush=True)
+"""
+
+
+def _user_script(tmp_path) -> str:
+    script = tmp_path / "user_compiled.py"
+    script.write_text(USER_COMPILED.format(tests=str(__import__("pathlib").Path(__file__).parent)))
+    return str(script)
+
+
+def _results(out: str) -> list[tuple[str, str, str, str, float]]:
+    return [(r, how, names, warned, float(err)) for r, how, names, warned, err in re.findall(r"rank (\d) (\w+) names (\w+) warned (\w+) err (\S+)", out)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["wrapped", "in_place", "model"])
+def test_user_compiled_blocks_trace_through_under_their_own_names(tmp_path, how: str) -> None:
+    run = subprocess.run([sys.executable, _user_script(tmp_path), how], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    found = _results(run.stdout)
+    assert found and found[0][1:4] == (how, "True", "True"), run.stdout + run.stderr[-2000:]
+    assert found[0][4] < 1e-5, found
+
+
+@pytest.mark.timeout(300)
+def test_user_compiled_blocks_run_under_torchrun(tmp_path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "fxpipe.distributed", "-n", "2", _user_script(tmp_path), "wrapped"],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    found = sorted(_results(run.stdout))
+    assert [r for r, *_ in found] == ["0", "1"], run.stdout + run.stderr[-2000:]
+    assert all(names == "True" and warned == "True" and err < 1e-5 for _, _, names, warned, err in found), found
+
+
+def test_without_compile_wrappers_leaves_the_users_model_compiled() -> None:
+    from fxpipe.passes.uncompiled import without_compile_wrappers
+
+    model = Blocks()
+    model.blocks[0] = torch.compile(model.blocks[0])
+    model.blocks[1].compile()
+    view, found = without_compile_wrappers(torch.compile(model))
+    assert found == ["", "blocks.0", "blocks.1"]
+    assert [n for n, _ in view.named_parameters()] == [n.replace("_orig_mod.", "") for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(view.parameters(), model.parameters()))
+    assert type(model.blocks[0]).__name__ == "OptimizedModule" and model.blocks[1]._compiled_call_impl is not None
+    assert view.blocks[1]._compiled_call_impl is None and type(view.blocks[0]) is Block
