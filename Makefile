@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
 	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png
 	$(BIN)/python examples/benchmarks/compile.py
+	$(BIN)/python examples/benchmarks/compiled.py
 	$(BIN)/python examples/benchmarks/distributed.py
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py
