@@ -8,7 +8,6 @@ subprocess (the failure they pin was a SIGSEGV), once under a 2-rank torchrun on
 
 from __future__ import annotations
 
-import copy
 import re
 import subprocess
 import sys
