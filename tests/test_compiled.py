@@ -72,7 +72,7 @@ def compiled_against_eager(schedule: str, dtype: torch.dtype, checkpoint, p: flo
 
 
 def _graphs(pipe) -> list[int]:
-    return [r.compiled.graphs for program in pipe._programs.values() for r in program.runners.values()]
+    return [r.compiled.graphs for program in pipe._programs.values() for r in program.runners.values() if r.compiled is not None]
 
 
 @pytest.mark.timeout(600)
@@ -100,6 +100,17 @@ def test_compiled_1f1b_stages_equal_eager_in_float64_with_recompute_and_dropout_
 def test_a_bad_plan_compile_is_a_plan_error_naming_the_fix(value, message) -> None:
     with pytest.raises(PlanError, match=message):
         fxpipe.Plan(compile=value)
+
+
+def test_selectively_recomputed_stages_run_eager_and_say_so() -> None:
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(8, 5, 16)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks.1"], checkpoint=["selective", False], compile={"backend": "eager"})
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.MSELoss())
+    runners = next(iter(pipe._programs.values())).runners
+    assert runners[0].compiled is None and runners[1].compiled is not None
+    assert "stage 0: eager (checkpoint='selective' runs uncompiled)" in pipe.summary()
 
 
 def test_plan_compile_accepts_a_dict_of_torch_compile_options() -> None:

@@ -25,30 +25,46 @@ import torch
 from torch import nn
 
 _COMPILE_LOCK = threading.Lock()  # two stages' first calls in two threads compile one after the other
+_CALLING = threading.local()  # the CompiledStage whose call Dynamo is compiling for, per thread
+_BACKENDS: dict[str, Callable] = {}  # one backend per options: Dynamo recompiles a frame for a new backend
 
 
 class CompiledStage:
     """Stage ``index``'s module under ``torch.compile`` with ``options`` (the dict form of
     ``Plan.compile``; ``{}`` for True). ``graphs``: graphs compiled so far; ``seconds``:
-    the time spent compiling them."""
+    the time spent compiling them.
+
+    Every stage with the same options shares one backend: helper functions the stage
+    graphs call (fxpipe's keyed random ops, the weight-gradient deferral) are one code
+    object for all stages, and Dynamo would compile them again for each new backend."""
 
     def __init__(self, index: int, module: nn.Module, options: Mapping[str, Any]) -> None:
         self.index = index
         self.graphs = 0
         self.seconds = 0.0
         options = dict(options)
-        backend = _timed(self, _backend(options))
-        self._call = torch.compile(module, backend=backend, fullgraph=options.get("fullgraph", False), dynamic=options.get("dynamic"))
+        self._call = torch.compile(module, backend=_shared_backend(options), fullgraph=options.get("fullgraph", False), dynamic=options.get("dynamic"))
 
     def __call__(self, *args: Any) -> Any:
-        if self.graphs == 0:
-            with _COMPILE_LOCK:
-                return self._call(*args)
-        return self._call(*args)
+        _CALLING.stage = self
+        try:
+            if self.graphs == 0:
+                with _COMPILE_LOCK:
+                    return self._call(*args)
+            return self._call(*args)
+        finally:
+            _CALLING.stage = None
 
     def describe(self) -> str:
         """One line: what was compiled and how long it took."""
         return f"stage {self.index}: {self.graphs} graph(s) compiled in {self.seconds:.1f} s"
+
+
+def _shared_backend(options: dict[str, Any]) -> Callable:
+    key = repr(sorted((k, v) for k, v in options.items() if k != "fullgraph"))
+    if key not in _BACKENDS:
+        _BACKENDS[key] = _timed(_backend(options))
+    return _BACKENDS[key]
 
 
 def _backend(options: dict[str, Any]) -> Callable:
@@ -62,12 +78,16 @@ def _backend(options: dict[str, Any]) -> Callable:
     return backend
 
 
-def _timed(record: CompiledStage, backend: Callable) -> Callable:
+def _timed(backend: Callable) -> Callable:
+    """``backend``, each graph it compiles counted and timed on the stage being called."""
+
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         start = time.perf_counter()
         compiled = backend(gm, example_inputs)
-        record.seconds += time.perf_counter() - start
-        record.graphs += 1
+        record = getattr(_CALLING, "stage", None)
+        if record is not None:
+            record.seconds += time.perf_counter() - start
+            record.graphs += 1
         return compiled
 
     return compile_graph

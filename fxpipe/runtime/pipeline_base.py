@@ -313,6 +313,8 @@ class PipelineBase(PipelineViews):
             for runner in program.runners.values():
                 if runner.compiled is not None:
                     lines.append(f"  signature {k}, {runner.compiled.describe()}")
+                else:
+                    lines.append(f"  signature {k}, stage {runner.index}: eager (checkpoint='selective' runs uncompiled)")
         return lines
 
     def memory(self) -> MemoryReport:

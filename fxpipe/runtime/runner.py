@@ -307,7 +307,9 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         check_finite=plan.check_finite,
         edge_names={k: f"edge {k} ({e.name!r}, stage {e.src} -> stage {e.dst})" for k, e in edges},
         offload=Offload(device) if stage.offload else None,
-        compiled=CompiledStage(stage.index, module, options) if options is not None else None,
+        # torch.compile refuses the recomputation selective checkpointing replays (it
+        # finds the cached tensors mutated): such a stage runs eager, as summary() says
+        compiled=CompiledStage(stage.index, module, options) if options is not None and stage.recompute != "selective" else None,
     )
 
 
