@@ -30,9 +30,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
 
 # compiled stages (Plan(compile=True)) against eager stages over every schedule x float64 /
-# float32 x recompute (tests/test_compiled.py's compile_grid; Inductor, about 12 minutes on 2 cores)
+# float32 x recompute (tests/test_compiled.py's compile_grid) and the compiled-stages benchmark's
+# --quick run (Inductor: about 15 minutes on 2 cores)
 test-compile: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m compile_grid tests/test_compiled.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m compile_grid tests/test_compiled.py tests/test_benchmarks.py
 
 # the GPU path (CPU+cuda:0 stages, own streams, bf16, NCCL with 2 GPUs); skips without CUDA
 test-gpu: $(STAMP)

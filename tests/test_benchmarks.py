@@ -92,6 +92,7 @@ def test_data_parallel_benchmark_prints_sharded_bytes_under_the_goal_and_every_v
         assert re.search(rf"{re.escape(variant)}\s+\d+(\.\d+)? m?s\s+\d+\.\d+x", out), (variant, out)
 
 
+@pytest.mark.compile_grid  # three Inductor compiles: make test-compile, beside the grid
 @pytest.mark.timeout(600)
 def test_compiled_benchmark_times_eager_and_compiled_stages_and_loops_and_prints_both_ratios() -> None:
     done = subprocess.run([sys.executable, str(BENCHMARKS / "compiled.py"), "--quick"], capture_output=True, text=True, timeout=580)
