@@ -9,6 +9,7 @@ subprocess (the failure they pin was a SIGSEGV), once under a 2-rank torchrun on
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -220,3 +221,34 @@ def test_without_compile_wrappers_leaves_the_users_model_compiled() -> None:
     assert all(a is b for a, b in zip(view.parameters(), model.parameters()))
     assert type(model.blocks[0]).__name__ == "OptimizedModule" and model.blocks[1]._compiled_call_impl is not None
     assert view.blocks[1]._compiled_call_impl is None and type(view.blocks[0]) is Block
+
+
+@torch.compile(fullgraph=True)
+def _compiled_mix(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) + x
+
+
+class CallsACompiledHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_compiled_mix(self.a(x), self.w))
+
+
+def test_a_compiled_helper_called_in_forward_is_traced_as_its_python() -> None:
+    torch.manual_seed(0)
+    model = CallsACompiledHelper()
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(8, 16), torch.randn(8, 4)
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["b"], microbatches=2), example_inputs=(x,), loss_fn=nn.MSELoss())
+    loss = pipe.step(x, target=t)
+    expected = nn.MSELoss()(ref(x), t)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+    assert "tanh" in pipe.stages[0].module.code  # the helper's ops, not a call of compiled code
