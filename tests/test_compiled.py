@@ -252,3 +252,40 @@ def test_a_compiled_helper_called_in_forward_is_traced_as_its_python() -> None:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
     assert "tanh" in pipe.stages[0].module.code  # the helper's ops, not a call of compiled code
+
+
+def _relative_difference(a: tuple, b: tuple) -> float:
+    """The loss difference and each gradient's largest difference relative to its largest entry."""
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    return max([float((loss_a - loss_b).abs())] + [float((grads_a[k] - grads_b[k]).abs().max() / (grads_b[k].abs().max() + 1e-12)) for k in grads_b])
+
+
+@pytest.mark.compile_grid
+@pytest.mark.timeout(900)
+def test_compiled_stages_under_bf16_autocast_stay_within_plain_torch_compiles_difference() -> None:
+    torch.manual_seed(0)
+    model = Blocks(width=32)
+    x, t = torch.randn(8, 5, 32), torch.randn(8, 5, 4)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks.1"], microbatches=4)
+
+    def pipelined(compile: bool) -> tuple:
+        pipe = fxpipe.compile(model, plan.replace(compile=compile), example_inputs=(x,), loss_fn=nn.MSELoss())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.step(x, target=t)
+        return loss.float(), {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+    def looped(compile: bool) -> tuple:
+        module = copy.deepcopy(model)
+        call = torch.compile(module) if compile else module
+        total = torch.zeros(())
+        for xi, ti in zip(x.chunk(4), t.chunk(4)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.MSELoss()(call(xi), ti) / 4
+            loss.backward()
+            total = total + loss.detach().float()
+        return total, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    stages = _relative_difference(pipelined(True), pipelined(False))
+    plain = _relative_difference(looped(True), looped(False))
+    assert stages <= max(plain, 2**-7), (stages, plain)  # 2**-7: two bf16 ulps
