@@ -34,11 +34,11 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 def without_compile_wrappers(model: nn.Module) -> tuple[nn.Module, list[str]]:
     """``model`` with its ``torch.compile`` wrappers seen through, and the paths of the
-    compiled modules found (``""`` for the model itself), in module order. The model is
-    returned as is when nothing in it is compiled."""
+    compiled modules found, sorted (``""`` for the model itself). The model is returned
+    as is when nothing in it is compiled."""
     found: list[str] = []
     view = _view(model, "", found, {})
-    return view, found
+    return view, sorted(found)
 
 
 def _view(module: nn.Module, path: str, found: list[str], seen: dict[int, nn.Module]) -> nn.Module:
@@ -74,7 +74,9 @@ def _compiled_class_forward(module: nn.Module) -> bool:
     """Whether ``module.forward = torch.compile(module.forward)`` was done: an instance
     attribute wrapping the class's own forward."""
     original = getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None)
-    return getattr(original, "__func__", None) is getattr(type(module), "forward", None) and getattr(original, "__self__", None) is module
+    if original is None:
+        return False
+    return getattr(original, "__func__", original) is getattr(type(module), "forward", None)
 
 
 @contextlib.contextmanager

@@ -215,8 +215,10 @@ def test_without_compile_wrappers_leaves_the_users_model_compiled() -> None:
     model = Blocks()
     model.blocks[0] = torch.compile(model.blocks[0])
     model.blocks[1].compile()
+    model.head.forward = torch.compile(model.head.forward)
     view, found = without_compile_wrappers(torch.compile(model))
-    assert found == ["", "blocks.0", "blocks.1"]
+    assert found == ["", "blocks.0", "blocks.1", "head"]
+    assert "forward" not in view.head.__dict__ and "forward" in model.head.__dict__
     assert [n for n, _ in view.named_parameters()] == [n.replace("_orig_mod.", "") for n, _ in model.named_parameters()]
     assert all(a is b for a, b in zip(view.parameters(), model.parameters()))
     assert type(model.blocks[0]).__name__ == "OptimizedModule" and model.blocks[1]._compiled_call_impl is not None
