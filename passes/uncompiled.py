@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -76,7 +77,8 @@ def _compiled_class_forward(module: nn.Module) -> bool:
     original = getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None)
     if original is None:
         return False
-    return getattr(original, "__func__", original) is getattr(type(module), "forward", None)
+    method = inspect.unwrap(original)  # Dynamo keeps its own function around the bound method
+    return getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is getattr(type(module), "forward", None)
 
 
 @contextlib.contextmanager
