@@ -31,7 +31,7 @@ test: $(STAMP)
 
 # compiled stages (Plan(compile=True)) against eager stages over every schedule x float64 /
 # float32 x recompute (tests/test_compiled.py's compile_grid) and the compiled-stages benchmark's
-# --quick run (Inductor: about 15 minutes on 2 cores)
+# --quick run (Inductor: about 4 minutes on 2 cores)
 test-compile: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m compile_grid tests/test_compiled.py tests/test_benchmarks.py
 
