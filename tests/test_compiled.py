@@ -57,7 +57,7 @@ def compiled_against_eager(schedule: str, dtype: torch.dtype, checkpoint, p: flo
     """One step of the same model and batch through eager and compiled stages; returns the
     largest difference over the loss and every gradient, and the compiled pipeline."""
     torch.manual_seed(0)
-    depth, chunks = (4, 2) if schedule in ("interleaved-1f1b", "zb-v", "dualpipev") else (2, 1)
+    depth, chunks = (4, 2) if schedule in ("interleaved-1f1b", "zb-v", "v-half", "v-min", "dualpipev") else (2, 1)
     model = Blocks(depth=depth, p=p).to(dtype)
     x, t = torch.randn(8, 5, 16, dtype=dtype), torch.randn(8, 5, 4, dtype=dtype)
     plan = fxpipe.Plan(
@@ -122,7 +122,7 @@ def test_plan_compile_accepts_a_dict_of_torch_compile_options() -> None:
 
 GRID = [
     (schedule, dtype, checkpoint)
-    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min", "dualpipev")
     for dtype in (torch.float64, torch.float32)
     for checkpoint in (False, True)
 ]
@@ -291,3 +291,29 @@ def test_compiled_stages_under_bf16_autocast_stay_within_plain_torch_compiles_di
     stages = _relative_difference(pipelined(True), pipelined(False))
     plain = _relative_difference(looped(True), looped(False))
     assert stages <= max(plain, 2**-7), (stages, plain)  # 2**-7: two bf16 ulps
+
+
+@pytest.mark.compile_grid
+@pytest.mark.timeout(900)
+def test_a_new_sequence_length_compiles_once_then_any_length_reuses_it() -> None:
+    # the traced program holds for any sequence length; Dynamo compiles the second length's
+    # graphs with that dim dynamic (automatic dynamic shapes), which every later length reuses
+    torch.manual_seed(0)
+    model = Blocks()
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks.1"], compile=True)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, n, 16), torch.randn(8, n, 4)
+
+    x, t = batch(5)
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.MSELoss())
+    pipe.step(x, target=t)
+    first = _graphs(pipe)
+    x, t = batch(7)
+    pipe.step(x, target=t)
+    second = _graphs(pipe)
+    assert all(b > a for a, b in zip(first, second)), (first, second)
+    for n in (9, 5, 12):
+        x, t = batch(n)
+        pipe.step(x, target=t)
+    assert _graphs(pipe) == second
