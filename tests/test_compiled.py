@@ -13,6 +13,7 @@ import copy
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ print(f"rank {{rank}} {{how}} names {{all(n in expected for n in names) and bool
 
 def _user_script(tmp_path) -> str:
     script = tmp_path / "user_compiled.py"
-    script.write_text(USER_COMPILED.format(tests=str(__import__("pathlib").Path(__file__).parent)))
+    script.write_text(USER_COMPILED.format(tests=str(Path(__file__).parent)))
     return str(script)
 
 
@@ -317,3 +318,41 @@ def test_a_new_sequence_length_compiles_once_then_any_length_reuses_it() -> None
         x, t = batch(n)
         pipe.step(x, target=t)
     assert _graphs(pipe) == second
+
+
+REPLICATED = """
+import copy, os, sys
+import torch
+from torch import nn
+import fxpipe
+sys.path.insert(0, {tests!r})
+from test_compiled import Blocks
+
+torch.manual_seed(0)
+model = Blocks()
+ref = copy.deepcopy(model)
+x, t = torch.randn(8, 5, 16), torch.randn(8, 5, 4)
+fsdp = sys.argv[1] == "fsdp"
+pipe = fxpipe.compile(model, fxpipe.Plan(microbatches=2, data_parallel=2, fsdp=fsdp, compile=True), example_inputs=(x,), loss_fn=nn.MSELoss())
+loss = pipe.step(x, target=t)
+ref_loss = nn.MSELoss()(ref(x), t)
+ref_loss.backward()
+expected = dict(ref.named_parameters())
+full = [(n, p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in pipe.named_parameters()]
+err = max([abs(loss.item() - ref_loss.item())] + [float((g - expected[n].grad).abs().max()) for n, g in full])
+graphs = sum("graph(s) compiled" in line for line in pipe.summary().splitlines())
+print(f"rank {{os.environ['RANK']}} graphs {{graphs}} err {{err:.3g}}", flush=True)
+"""
+
+
+@pytest.mark.compile_grid
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["replicated", "fsdp"])
+def test_compiled_stages_with_data_parallel_replicas_equal_eager_under_torchrun(tmp_path, sharding: str) -> None:
+    script = tmp_path / "replicated.py"
+    script.write_text(REPLICATED.format(tests=str(Path(__file__).parent)))
+    run = subprocess.run([sys.executable, "-m", "fxpipe.distributed", "-n", "2", str(script), sharding], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+    found = sorted(re.findall(r"rank (\d) graphs (\d+) err (\S+)", run.stdout))
+    assert [r for r, _, _ in found] == ["0", "1"], run.stdout + run.stderr[-2000:]
+    assert all(int(graphs) == 1 and float(err) < 1e-5 for _, graphs, err in found), found
