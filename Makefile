@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-compile test-gpu test-llm test-slow lint bench bench-gpu faults soak clean install
+.PHONY: demo test test-compile test-gpu test-llm test-slow lint bench bench-gpu faults soak docs clean install
 
 install: $(STAMP)
 
@@ -40,10 +40,11 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or GPU"
 
 # every LLM family x torchrun layout against eager (tests/test_llm_torchrun.py, slow cases
-# included), the families' trace-level grid, and two torchrun agents as two hosts
-# (about 20 minutes on 2 cores); the command line's -m replaces pyproject's -m 'not slow'
+# included), the families' trace-level grid, the MoE and hybrid families (tests/test_moe_families.py),
+# and two torchrun agents as two hosts (about 20 minutes on 2 cores); the command line's -m
+# replaces pyproject's -m 'not slow'
 test-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_multinode.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_moe_families.py tests/test_multinode.py
 
 # every test, the slow cases of every file included (test-llm's grid, the ResNet-50
 # detection models, HF listed micro-batches on sharded replicas, ...; 23 minutes here)
@@ -84,6 +85,13 @@ faults: $(STAMP)
 # (SIGABRT at exit), other failures and hangs; tests/test_soak.py runs a 6-job sample
 soak: $(STAMP)
 	$(BIN)/python examples/benchmarks/soak.py
+
+# every output quoted in docs/tutorial.md, docs/inspection.md and docs/examples.md, printed
+# again by its command and rewritten in place, with the pictures those commands draw
+# (examples/refresh_docs.py; about 30 minutes on 2 cores); tests/test_docs_outputs.py
+# checks the cheap ones in `make test`
+docs: $(STAMP)
+	$(BIN)/python examples/refresh_docs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

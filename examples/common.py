@@ -309,7 +309,7 @@ def train(
 
 def train_pipeline(label: str, model: nn.Module, plan: fxpipe.Plan, data: Digits, make_optimizer: OptimizerFactory, **options: Any) -> tuple[Any, Run]:
     """Compile ``model`` with ``plan`` (cross-entropy loss) and ``train`` it; returns
-    (pipeline, Run). The model itself is not changed."""
+    (pipeline, Run). The pipeline's parameters are the model's: the model is trained."""
     loss_fn = nn.CrossEntropyLoss()
     batch = options.get("batch_size", 64)
     pipe = fxpipe.compile(model, plan, example_inputs=(data.x_train[:batch],), loss_fn=loss_fn)

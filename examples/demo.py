@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Sequence
 
 import torch
 import torchvision
@@ -20,13 +21,17 @@ import fxpipe
 from fxpipe.devices import torch_device
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Runs the demo; returns the first step's losses and largest gradient difference."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a batch of 4 at 32x32, 2 micro-batches, one step (for tests)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.batch, args.image_size, args.microbatches = 1, 4, 32, 2
     torch.manual_seed(0)
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -55,7 +60,8 @@ def main() -> None:
         eager_loss += piece.detach()
     reference = dict(eager.named_parameters())
     worst = max((p.grad - reference[n].grad.to(p.device)).abs().max().item() for n, p in pipe.named_parameters())
-    print(f"loss: pipeline {loss.item():.6f}  eager {eager_loss.item():.6f}")
+    first_loss = loss.item()
+    print(f"loss: pipeline {first_loss:.6f}  eager {eager_loss.item():.6f}")
     print(f"largest gradient difference over {len(reference)} parameters: {worst:.2e}")
     if worst > 1e-4 or abs(loss.item() - eager_loss.item()) > 1e-4:
         raise SystemExit("gradients differ from eager")
@@ -71,6 +77,7 @@ def main() -> None:
         print(f"step {step}: loss {loss.item():.4f}  step time {time.perf_counter() - start:.2f} s")
     tl = pipe.timeline()
     print(f"\nmeasured last step: {tl.step_time:.2f} s, bubble fraction {tl.bubble_fraction:.0%}")
+    return {"loss": first_loss, "eager_loss": eager_loss.item(), "grad_difference": worst}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ loss difference to eager (exit status 1 above 1e-4).
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> list[Run]:
     runs = [eager]
     for schedule in schedules:
         plan = plan_for(schedule, args.microbatches)
-        pipe, run = train_pipeline(schedule, model, plan, data, sgd, **options)
+        pipe, run = train_pipeline(schedule, copy.deepcopy(model), plan, data, sgd, **options)  # each from the same weights
         held = {d: [s.index for s in pipe.stages if s.device == d] for d in dict.fromkeys(s.device for s in pipe.stages)}
         print(f"\n{schedule}: {len(pipe.stages)} stages, {', '.join(f'{d} runs {s}' for d, s in held.items())}; "
               f"last step's bubble {pipe.timeline().bubble_fraction:.0%}")

@@ -13,6 +13,7 @@ status 1 below 95% test accuracy or when a step's losses differ by more than 1e-
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> tuple[Run, Run]:
     model = DigitsCNN()
     options = training_options(args, smoke_steps=4)
     adam = lambda params: torch.optim.Adam(params, lr=args.lr)  # noqa: E731
-    pipe, pipelined = train_pipeline("1F1B, 2 stages", model, plan, data, adam, **options)
+    pipe, pipelined = train_pipeline("1F1B, 2 stages", copy.deepcopy(model), plan, data, adam, **options)  # eager starts from the same weights
     eager = train_eager("eager", model, plan.devices[-1], plan.microbatches, data, adam, **options)
     print(pipe.summary(), "\n")
 

@@ -12,8 +12,9 @@ into two stages at ``transformer.h.<layers/2>`` and trained on the ``--schedule`
 over ``--microbatches``: AdamW over ``pipe.parameters()``, linear warm-up then cosine decay
 to the last step, ``pipe.clip_grad_norm_(1.0)`` every step, the eval loss every
 ``--eval-every`` steps (``pipe.eval()``, ``pipe(x)``, ``pipe.train()``), and a checkpoint
-per rank every ``--checkpoint-every`` steps that ``--resume`` continues from with the same
-losses as an uninterrupted run.
+(``fxpipe.save_checkpoint``) every ``--checkpoint-every`` steps that ``--resume`` continues
+from with the same losses as an uninterrupted run, in this layout or another (another
+``--schedule``, one process after a torchrun job).
 
     .venv/bin/python examples/train_lm.py [--steps 100]                         # one process, 2 stage threads
     .venv/bin/torchrun --nproc-per-node 2 examples/train_lm.py --loss-log losses.json  # one rank per stage
@@ -245,33 +246,31 @@ def train(trainer: Trainer, corpus: Corpus, args: argparse.Namespace, say: Calla
 
 # --------------------------------------------------------------- checkpoints
 def checkpoint_path(args: argparse.Namespace) -> Path:
-    return Path(args.ckpt_dir) / f"ckpt-rank{int(os.environ.get('RANK', 0))}.pt"
+    return Path(args.ckpt_dir) / "checkpoint"
 
 
 def save_checkpoint(args: argparse.Namespace, module: Any, opt: torch.optim.Optimizer, history: dict) -> None:
-    """This rank's parameters (``pipe.state_dict()``: its stages' keys, the model's names),
-    its optimizer state and the history so far; written whole or not at all."""
-    path = checkpoint_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": len(history["steps"]), "model": module.state_dict(), "optimizer": opt.state_dict(), "history": history}
-    torch.save(state, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    """The job's parameters and optimizer state under the model's names, and the history
+    so far (``fxpipe.save_checkpoint``: every rank writes its share; the previous checkpoint
+    stays whole until the new one is complete)."""
+    Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
+    fxpipe.save_checkpoint(checkpoint_path(args), module, optimizer=opt, extra=history)
 
 
 def load_checkpoint(args: argparse.Namespace, module: Any, opt: torch.optim.Optimizer) -> dict:
-    """Load this rank's checkpoint into ``module`` and ``opt``; returns its history.
-    Raises SystemExit when there is none, or when it was trained with other settings."""
+    """Load the checkpoint into ``module`` and ``opt`` (any layout: another schedule,
+    another number of ranks); returns its history. Raises SystemExit when there is none,
+    when a file of it is damaged, or when it was trained with other settings."""
     path = checkpoint_path(args)
-    if not path.exists():
-        raise SystemExit(f"--resume: no checkpoint at {path}; train with --checkpoint-every N --ckpt-dir {args.ckpt_dir} first")
-    state = torch.load(path, weights_only=True)
-    saved = state["history"]["config"]
+    try:
+        history = fxpipe.load_checkpoint(path, module, optimizer=opt)
+    except fxpipe.CheckpointError as err:
+        raise SystemExit(f"--resume: {err}; train with --checkpoint-every N --ckpt-dir {args.ckpt_dir} first") from err
+    saved = history["config"]
     changed = [f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})" for k in NUMERIC_KEYS if saved[k] != getattr(args, k)]
     if changed:
         raise SystemExit(f"--resume: {path} was trained with other settings: {', '.join(changed)}; resume with the same ones")
-    module.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    return state["history"]
+    return history
 
 
 # ----------------------------------------------------------- the two runners
@@ -378,8 +377,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--eval-every", type=int, default=25, help="held-out loss every N steps (0: never)")
     add("--eval-batches", type=int, default=4, help="held-out batches of --batch sequences")
     add("--print-every", type=int, default=10)
-    add("--checkpoint-every", type=int, default=0, help="save a checkpoint per rank every N steps")
-    add("--ckpt-dir", default="checkpoints", help="where ckpt-rank<r>.pt goes")
+    add("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps")
+    add("--ckpt-dir", default="checkpoints", help="where the checkpoint directory goes (<dir>/checkpoint)")
     add("--resume", action="store_true", help="continue from the checkpoint in --ckpt-dir")
     add("--stop-after", type=int, default=0, help="stop after this many steps (as if interrupted; --resume continues)")
     add("--loss-log", help="write the settings, step records and eval losses to this JSON file (rank 0); torchrun takes a bare --log for its own --log-dir")

@@ -11,6 +11,7 @@ runs). ``pipe.memory()`` reports each stage's memory, measured against its predi
 from typing import Any
 
 from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
+from fxpipe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fxpipe.compiler.driver import CompileError, partition
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.compiler.stage import Stage
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Action",
     "AnnotateError",
+    "CheckpointError",
     "CompileError",
     "DeviceError",
     "DeviceSpec",
@@ -64,7 +66,9 @@ __all__ = [
     "check_schedule",
     "compile",
     "device_guard",
+    "load_checkpoint",
     "partition",
     "profile",
+    "save_checkpoint",
     "tune",
 ]

@@ -140,17 +140,18 @@ def check_loss_fn(loss_fn: Any) -> None:
         )
 
 
-def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None) -> Pipeline:
+def build_pipeline(part: Partitioned, model: nn.Module, loss_fn: Any = None, own: bool = True) -> Pipeline:
     """A local Pipeline running ``part`` (partitioned from ``model``) on this machine's
-    devices; the stages are placed as copies, so ``model`` is not changed. Raises
-    DeviceError when a stage's device is not present. Python's garbage collector is paused
-    while the stages are copied (``fxpipe.compiler.collector``)."""
+    devices. ``own``: the stages hold the model's own parameters and buffers, moved in place
+    to their devices (what ``compile`` does); otherwise copies, and ``model`` is not changed
+    (what ``tune`` times). Raises DeviceError when a stage's device is not present. Python's
+    garbage collector is paused while the stages are copied (``fxpipe.compiler.collector``)."""
     check_loss_fn(loss_fn)
     for stage in part.stages:
         check_available(stage.device, f"plan.devices[{stage.index}]")
     with collector_paused(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return Pipeline(part, model, COMPILER, loss_fn)
+        return Pipeline(part, model, COMPILER, loss_fn, own=own)
 
 
 __all__ = ["COMPILER", "build_pipeline", "check_loss_fn", "compile"]

@@ -152,8 +152,8 @@ def sweep(
         if done >= wanted:
             break
         try:
-            # the pipeline places copies of the stages, so the model is not changed
-            pipe = build_pipeline(runs[id(point)], model, loss_fn)
+            # on copies of the model's tensors: timing changes nothing of the model
+            pipe = build_pipeline(runs[id(point)], model, loss_fn, own=False)
             point.measured_step = _time_step(pipe, example_inputs, example_kwargs or {}, target, repeats)
             done += 1
         except Exception as err:  # noqa: BLE001 - any failure of one candidate: reported, the sweep goes on

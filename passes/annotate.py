@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, OPAQUE, REASON, STAGE
-from fxpipe.passes.tags import has_tags, tag_of
+from fxpipe.passes.tags import has_tags, tag_of, tag_source
 
 __all__ = ["COMPUTE_OPS", "REASON", "STAGE", "Anchor", "AnnotateError", "StageAssignment", "anchors", "annotate_by_anchors", "has_tags", "tag_of"]
 
@@ -52,15 +52,17 @@ class StageAssignment:
 def annotate_by_tags(graph: fx.Graph) -> StageAssignment:
     """Stages from device_guard tags. Raises AnnotateError when the graph has none."""
     devices: list[str] = []
+    reasons: list[str] = []
     current = -1
     for node in graph.nodes:
         tag = tag_of(node)
         if node.op in COMPUTE_OPS and tag is not None:
             if not devices or devices[-1] != tag:
                 devices.append(tag)
+                reasons.append(tag_source(node, block=True))
                 current += 1
             node.meta[STAGE] = current
-            node.meta[REASON] = f"device_guard({tag!r})"
+            node.meta[REASON] = tag_source(node)
     if not devices:
         raise AnnotateError(
             "split='tags' but forward() has no fxpipe.device_guard blocks; wrap parts of "
@@ -68,7 +70,7 @@ def annotate_by_tags(graph: fx.Graph) -> StageAssignment:
             "or Plan(split='auto')"
         )
     _fill_untagged(graph)
-    return StageAssignment(len(devices), devices, [f"device_guard({d!r}) block" for d in devices])
+    return StageAssignment(len(devices), devices, reasons)
 
 
 def _nearest_modules(path: str, known_modules: set[str]) -> str:

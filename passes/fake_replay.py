@@ -21,6 +21,22 @@ place), which the cost pass needs and storage identity alone would no longer tel
 torch's ``FakeTensorProp`` and ``ShapeProp`` do not fit: they run every node (no template
 reuse), expect parameters already faked on the module, and write ``node.meta`` themselves.
 
+When a node cannot run on fake tensors
+----------------------------------------
+A node whose fake run fails is run for real, once, on real tensors of its recorded shapes
+and dtypes with its real non-tensor arguments (:meth:`FakeReplay.real_run_reasons` says
+which and why). Two kinds of failure end there: data-dependent output shapes (a routing
+``nonzero``), whose sizes are then those of the values the real run saw (``estimated``),
+and a fake kernel whose meta rules are stricter than the real one (``torch._grouped_mm``'s
+meta kernel applies GPU dtype rules that the CPU kernel does not), whose sizes are facts.
+When the real run fails too, the fake run's error is raised: it is the model's.
+
+The real tensors keep the program's structure: the example's own values where they are
+known at compile time (the model's inputs, buffers and parameters, and every value computed
+from inputs and buffers alone, such as masks, token counts and positions: computed for real
+once asked for), else stand-ins of the recorded shape: True for booleans (a check holds),
+zeros for integers (an index in range, empty groups) and for floats.
+
 Reads the graph only (``node.meta`` is not written here).
 """
 
@@ -48,6 +64,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.targets import resolver
 
+DATA_DEPENDENT = "data-dependent output shapes: sized by a real run on the example's values or stand-ins"
+COMPUTE_NODE_OPS = ("call_module", "call_function", "call_method")
 _CONSTANTS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 # attributes longer than this are keyed by identity: a vocabulary list is not a configuration
 _MAX_PLAIN_LENGTH = 64
@@ -130,10 +148,14 @@ class FakeReplay:
     node to its key (nodes with equal keys compute alike), ``templates`` every compute node
     to its OutputTemplate, ``runs`` counts the compute nodes that really ran, and
     ``estimated`` holds the nodes that could not run on fake tensors (data-dependent) and
-    ran for real on zeros: their sizes are those zeros gave, not facts.
+    ran for real on stand-in values: their sizes are those the stand-ins gave, not facts;
+    ``real_runs`` maps every node that ran for real (or reused such a run's template) to
+    why. real_inputs: whether real tensors handed to :meth:`run`/:meth:`step` for
+    placeholders hold the example's values (False when they are placeholders of the right
+    shape only, e.g. ``new_empty``): only then are they used by a real run.
     """
 
-    def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None) -> None:
+    def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None, real_inputs: bool = True) -> None:
         self.mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
         self.device = torch.device(device) if device is not None else None
         self.values: dict[fx.Node, Any] = {}
@@ -147,22 +169,28 @@ class FakeReplay:
         self._context: Hashable = ()  # grad mode and autocast of the current run
         self.estimated: set[fx.Node] = set()  # nodes whose value came from a real run on zeros
         self._estimated_keys: set[Hashable] = set()
-        self._ran_for_real = False
+        self.real_runs: dict[fx.Node, str] = {}
+        self._real_keys: dict[Hashable, str] = {}
+        self._real_inputs = real_inputs
+        self._ran_for_real: str | None = None
+        self._given: dict[fx.Node, Any] = {}  # placeholders and get_attr nodes: their real values
+        self._reals: dict[fx.Node, Any] = {}  # nodes computed for real from inputs and buffers (None: not computable)
 
     def run(
         self,
-        gm: fx.GraphModule,
+        gm: fx.GraphModule | fx.Graph,
         inputs: Sequence[Any],
         resolve: Callable[[str], Any] | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> Any:
-        """Run ``gm``'s graph on fakes of ``inputs`` (one value per placeholder; real or fake
-        tensors); returns the output's value. ``resolve(target)`` fetches a module or tensor
-        by qualified name (default: ``gm``'s attributes); ``progress(done, total)`` is called
+        """Run ``gm``'s graph (or the graph ``gm``) on fakes of ``inputs`` (one value per
+        placeholder; real or fake tensors); returns the output's value. ``resolve(target)``
+        fetches a module or tensor by qualified name (default: ``gm``'s attributes; needed
+        for a bare graph); ``progress(done, total)`` is called
         every 64 nodes. Raises what a node raises on fake tensors, with a note naming it.
         """
         resolve = resolve or resolver(gm)
-        nodes = list(gm.graph.nodes)
+        nodes = list(gm.nodes if isinstance(gm, fx.Graph) else gm.graph.nodes)
         pending = iter(inputs)
         output = None
         for k, node in enumerate(nodes):
@@ -176,7 +204,14 @@ class FakeReplay:
                 output = self.values[node]
         if progress is not None:
             progress(len(nodes), len(nodes))
+        self.release_real_values()
         return output
+
+    def release_real_values(self) -> None:
+        """Forget the example's real values held for real runs (inputs, and masks or
+        positions computed from them): a replay kept after its run holds no real tensors."""
+        self._given.clear()
+        self._reals.clear()
 
     def step(self, node: fx.Node, resolve: Callable[[str], Any], value: Any = None) -> Any:
         """Run one node whose inputs have run (a placeholder takes ``value``, faked); records
@@ -186,9 +221,14 @@ class FakeReplay:
         self._context = (torch.is_grad_enabled(), *((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
         # fakes are made directly (``_new``): only a node that really runs enters the fake mode
         if node.op == "placeholder":
+            if self._real_inputs and _holds_values(value):
+                self._given[node] = value
             value = pytree.tree_map_only(torch.Tensor, self._input, value)
         elif node.op == "get_attr":
-            value = self.fake(resolve(node.target))
+            real = resolve(node.target)
+            if _holds_values(real):
+                self._given[node] = real
+            value = self.fake(real)
         elif node.op == "output":
             value = fx.map_arg(node.args[0], self.values.__getitem__)
         else:
@@ -229,17 +269,19 @@ class FakeReplay:
             try:
                 # the module's own tensors replaced by fakes for this call only
                 return torch.func.functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
-            except Exception:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
-                return self._run_for_real(module, args, kwargs)
-        if node.op == "call_method":
-            with self._modules_faked((args, kwargs)):
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            except Exception as err:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
+                return self._run_for_real(node, module, args, kwargs, err)
+        fn = (lambda obj, *rest, **kw: getattr(obj, node.target)(*rest, **kw)) if node.op == "call_method" else node.target
         try:
             with self._modules_faked((args, kwargs)):
-                return node.target(*args, **kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException):
-            # an opaque call with a branch on tensor values: its shapes from a real run
-            return self._run_for_real(node.target, args, kwargs)
+                return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - run for real; if that fails too, ``err`` is raised
+            return self._run_for_real(node, fn, args, kwargs, err)
+
+    def real_run_reasons(self) -> dict[fx.Node, str]:
+        """Every node that ran for real instead of on fake tensors (or reused the template
+        of such a run), with why; see the module doc."""
+        return dict(self.real_runs)
 
     @contextlib.contextmanager
     def _modules_faked(self, value: Any) -> Iterator[None]:
@@ -282,18 +324,22 @@ class FakeReplay:
             self.templates[node] = template
             if key in self._estimated_keys:
                 self.estimated.add(node)
+            if key in self._real_keys:
+                self.real_runs[node] = self._real_keys[key]
             return self._build(template, tensors)
         self.runs += 1
-        self._ran_for_real = False
+        self._ran_for_real = None
         try:
             with self.mode:
                 args, kwargs = self._writable((args, kwargs))
                 tensors = input_tensors(args, kwargs)
                 versions = [t._version for t in tensors]
                 out = self.execute(node, args, kwargs, resolve)
-            if self._ran_for_real:
-                self.estimated.add(node)
-                self._estimated_keys.add(key)
+            if self._ran_for_real is not None:
+                self.real_runs[node] = self._real_keys[key] = self._ran_for_real
+                if self._ran_for_real == DATA_DEPENDENT:
+                    self.estimated.add(node)
+                    self._estimated_keys.add(key)
         except Exception as err:
             if hasattr(err, "add_note"):  # Python 3.11+
                 where = node.meta.get(MODULE_PATH)
@@ -356,27 +402,77 @@ class FakeReplay:
 
         return pytree.tree_map_only(torch.Tensor, clone, value)
 
-    def _run_for_real(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run ``fn`` for real on zero tensors of the right shapes and fake the result: for a
-        call that cannot run on fake tensors (data-dependent control flow), whose shapes are
-        then those of the branch zeros take. Modules (``fn`` itself, or among its arguments)
-        run on copies of their tensors and the global RNG is restored, so nothing of the
-        model changes. An output requires grad where an input or a parameter does (as
-        autograd would make it)."""
-        self._ran_for_real = True
+    def _run_for_real(self, node: fx.Node, fn: Callable, args: tuple, kwargs: dict, err: Exception) -> Any:
+        """Run ``fn`` (the node's function or module) for real and fake the result, for a
+        node that failed on fake tensors with ``err``: on the example's values where they
+        are known, stand-ins of the recorded shapes elsewhere (see the module doc). Modules
+        (``fn`` itself, or among its arguments) run on copies of their tensors and the
+        global RNG is restored, so nothing of the model changes. An output requires grad
+        where an input or a parameter does (as autograd would make it). Raises ``err`` when
+        the real run fails too."""
         modules = [m for m in pytree.tree_leaves((fn, args, kwargs)) if isinstance(m, torch.nn.Module)]
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors += [t for m in modules for t in m.parameters()]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         with unset_fake_temporarily(), torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+            real_args = self._real_arguments(node, args, kwargs)
             copies: dict[int, torch.Tensor] = {}
             for module in modules:
                 state = {name: copies.setdefault(id(t), _real_copy(t)) for name, t in _module_tensors(module)}
                 stack.enter_context(_reparametrize_module(module, state, tie_weights=True, strict=False))
-            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _zeros_like, (args, kwargs))
-            with torch.no_grad():
-                out = fn(*real_args, **real_kwargs)
+            data_dependent = isinstance(err, DataDependentOutputException | DynamicOutputShapeException)
+            try:
+                with torch.no_grad():
+                    out = fn(*real_args[0], **real_args[1])
+            except Exception:
+                if data_dependent or isinstance(fn, torch.nn.Module):
+                    raise  # code that branched on values failed on them: its own error
+                raise err from None  # the real kernel refuses it too: the fake run's error is the model's
+        self._ran_for_real = DATA_DEPENDENT if data_dependent else _meta_rule(err)
         return pytree.tree_map_only(torch.Tensor, lambda t: self.fake_like(t, requires_grad=needs_grad and t.is_floating_point()), out)
+
+    def _real_arguments(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Real arguments for a real run of ``node``: the example's values where they are
+        known (``node``'s arguments computed from inputs and buffers alone), stand-ins of
+        the fake ``args``/``kwargs`` elsewhere. The node's own non-tensor arguments stay."""
+        stand_ins = pytree.tree_map_only(torch.Tensor, _stand_in, (tuple(args), dict(kwargs)))
+        if (len(node.args), tuple(node.kwargs)) != (len(args), tuple(kwargs)):
+            return stand_ins
+        real = (fx.map_arg(tuple(node.args), self._real_value), fx.map_arg(dict(node.kwargs), self._real_value))
+        return _real_or_stand_in(real, stand_ins)
+
+    def _real_value(self, node: fx.Node) -> Any:
+        """``node``'s value on the example, computed for real when it comes from the
+        inputs, buffers and constants alone (no parameter, no module call); None when unknown."""
+        if node in self._reals:
+            return self._reals[node]
+        order = _ancestors(node)
+        for n in order:
+            if n not in self._reals:
+                self._reals[n] = self._compute_real(n)
+        return self._reals[node]
+
+    def _compute_real(self, node: fx.Node) -> Any:
+        if node.op in ("placeholder", "get_attr"):
+            value = self._given.get(node)
+            if isinstance(value, torch.nn.Parameter) or value is None or not _same_layout(value, self.values.get(node)):
+                return None  # weights are not what masks and counts come from; a real run takes stand-ins
+            return pytree.tree_map_only(torch.Tensor, _real_copy, value)  # copies: the example stays as given
+        if node.op not in COMPUTE_NODE_OPS or node.op == "call_module":
+            return None
+        inputs = node.all_input_nodes
+        if any(self._reals.get(n) is None for n in inputs):
+            return None
+        args, kwargs = fx.map_arg((node.args, node.kwargs), self._reals.__getitem__)
+        try:
+            with unset_fake_temporarily(), torch.random.fork_rng(devices=[]), torch.no_grad():
+                out = getattr(args[0], node.target)(*args[1:], **kwargs) if node.op == "call_method" else node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - not computable for real: stand-ins take its place
+            return None
+        if any(isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.is_meta) for t in pytree.tree_leaves(out)):
+            return None
+        return out if _same_layout(out, self.values.get(node)) else None
+
 
 
 def replay(
@@ -519,8 +615,72 @@ def _real_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+def _real_or_stand_in(real: Any, stand_in: Any) -> Any:
+    """``stand_in`` with a copy of each real tensor that ``real`` (the same structure, None
+    where unknown) holds in its place."""
+    if isinstance(real, torch.Tensor) and isinstance(stand_in, torch.Tensor):
+        return _real_copy(real)
+    if isinstance(real, list | tuple) and isinstance(stand_in, list | tuple) and len(real) == len(stand_in):
+        merged = [_real_or_stand_in(r, s) for r, s in zip(real, stand_in)]
+        return tuple(merged) if isinstance(stand_in, tuple) else merged
+    if isinstance(real, dict) and isinstance(stand_in, dict) and real.keys() == stand_in.keys():
+        return {k: _real_or_stand_in(real[k], v) for k, v in stand_in.items()}
+    return stand_in
+
+
+def _meta_rule(err: Exception) -> str:
+    """Why a node that the real kernel runs failed on fake tensors, in one line."""
+    text = str(err).strip().splitlines()
+    return f"its fake kernel refused what the real one runs ({type(err).__name__}: {text[0] if text else ''})"
+
+
+def _holds_values(value: Any) -> bool:
+    """Whether ``value`` holds real tensors with data (not fake, not on the meta device)."""
+    leaves = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return bool(leaves) and not any(isinstance(t, FakeTensor) or t.is_meta for t in leaves)
+
+
+def _same_layout(real: Any, fake: Any) -> bool:
+    """Whether a real value has the structure, shapes and dtypes of a node's fake value."""
+    real_leaves, real_spec = pytree.tree_flatten(real)
+    fake_leaves, fake_spec = pytree.tree_flatten(fake)
+    if real_spec != fake_spec:
+        return False
+    for r, f in zip(real_leaves, fake_leaves):
+        if isinstance(r, torch.Tensor) != isinstance(f, torch.Tensor):
+            return False
+        if isinstance(r, torch.Tensor) and (tuple(r.shape) != tuple(f.shape) or r.dtype != f.dtype):
+            return False
+    return True
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node it depends on, producers first."""
+    seen: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    stack: list[tuple[fx.Node, bool]] = [(node, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if expanded:
+            order.append(n)
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.append((n, True))
+        stack.extend((a, False) for a in n.all_input_nodes if a not in seen)
+    return order
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor of ``t``'s shape and dtype whose values keep a program's structure:
+    True for booleans (a check holds), zeros otherwise (an index in range, empty groups)."""
+    out = _zeros_like(t)
+    return out.fill_(True) if out.dtype == torch.bool else out
+
+
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
 
 
-__all__ = ["FakeReplay", "OutputTemplate", "TensorTemplate", "input_tensors", "module_signature", "replay"]
+__all__ = ["DATA_DEPENDENT", "FakeReplay", "OutputTemplate", "TensorTemplate", "input_tensors", "module_signature", "replay"]

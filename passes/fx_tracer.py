@@ -20,6 +20,10 @@ torch layers and the user's ``leaf_modules``), reads buffers as ``get_attr`` nod
   (the rng pass keys opaque callees with a scope; the stage runs them in the caller's
   autocast); a ``device_guard`` inside one is a TagError naming it.
 
+- **reads hand placement**: ``x.to("cuda:1")`` / ``x.cuda(1)`` of a traced tensor is a device
+  tag from there to the next move and leaves no node (``passes/moves.py``); the computation
+  before the first move is tagged with the moved value's device.
+
 Changing grad mode or autocast inside ``forward`` (``with torch.no_grad():``,
 ``torch.autocast``, reading ``torch.is_autocast_enabled()``) is something fx cannot
 record: the enclosing function or module runs whole instead, so it behaves as in eager.
@@ -49,11 +53,20 @@ from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.passes.fx_untraceable import untraceable_contexts
 from fxpipe.passes.growing_replay import UNKNOWN, GrowingReplay
 from fxpipe.passes.intercept import Interceptor, function_of, interceptable
-from fxpipe.passes.meta import MODULE_PATH, OPAQUE, OPAQUE_DRAWS
+from fxpipe.passes.meta import (
+    COMPUTE_OPS,
+    CUSTOM,
+    MODULE_PATH,
+    OPAQUE,
+    OPAQUE_DRAWS,
+    TAG_KEY,
+    TAG_SOURCE,
+)
 from fxpipe.passes.module_state import WriteJournal
-from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, output_guard
+from fxpipe.passes.moves import read_move
+from fxpipe.passes.opaque import OpaqueCall, OpaqueCallee, TensorGuard, output_guard
 from fxpipe.passes.signature import is_constant
-from fxpipe.passes.tags import TagError, opaque_scope
+from fxpipe.passes.tags import TagError, opaque_scope, tag_of
 from fxpipe.passes.targets import resolver
 from fxpipe.passes.trace_errors import first_line, is_internal, user_frame
 from fxpipe.passes.traced_values import (
@@ -151,6 +164,9 @@ class PipeTracer(fx.Tracer):
         self._writes = WriteJournal(self.tracing_here)
         self._thread = threading.get_ident()
         self._replaying = 0
+        self._moved_to: str | None = None  # the device of the last move read (passes/moves.py)
+        self._move_source = ""  # that move, as explain() names it
+        self.moves_read = 0
 
     # ------------------------------------------------------------------ entry
     def trace_call(self, model: nn.Module, call: RootCall) -> fx.Graph:
@@ -185,6 +201,7 @@ class PipeTracer(fx.Tracer):
         node's value, key and template, as shape propagation makes them), or None when a node
         could not run or the example was replayed at another batch size (a batch of one)."""
         replay = self._example.replay
+        replay.release_real_values()
         if self._root_call.replayed_as_given and all(n in replay.values for n in self.graph.nodes):
             return replay
         return None
@@ -195,10 +212,10 @@ class PipeTracer(fx.Tracer):
         self._inputs = {p.node: example for p, example in zip(placeholders, call.examples)}
         self._given = {p.node: value for p, value in zip(placeholders, call.given) if real(value)}
         resolve = resolver(self.root)
-        self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__)
+        self._example = GrowingReplay(self.graph, resolve, self._inputs.__getitem__, real_inputs=call.replayed_as_given)
         if call.batch_of_one is not None:
             shadow = {p.node: example for p, example in zip(placeholders, call.batch_of_one)}
-            self._shadow = GrowingReplay(self.graph, resolve, shadow.__getitem__)
+            self._shadow = GrowingReplay(self.graph, resolve, shadow.__getitem__, real_inputs=False)
 
         def root_call(root: nn.Module, *values: Any) -> Any:
             args, kwargs = call.rebuild(values)
@@ -215,7 +232,60 @@ class PipeTracer(fx.Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         node.meta[MODULE_PATH] = node.target if node.op == "call_module" else self.path_stack[-1]
+        if self._moved_to is not None and node.op in COMPUTE_OPS and tag_of(node) is None:
+            _tag(node, self._moved_to, self._move_source)  # a device_guard inside wins, as the innermost guard does
         return node
+
+    def path_of_module(self, mod: nn.Module) -> str:
+        """The module's path as the call reaches it: the calling module's path and the
+        child's name there. A module shared by two parents (``0.module`` and ``2.module``)
+        gets the path of the parent calling it, so each call belongs to its caller's
+        stage; else fx's (its first name)."""
+        parent_path = self.path_stack[-1] if self.path_stack else ""
+        try:
+            parent = self.root.get_submodule(parent_path) if parent_path else self.root
+        except AttributeError:
+            parent = None
+        if parent is mod and parent_path:  # asked again from inside its own call (fx's call_module)
+            return parent_path
+        for name, child in (parent._modules.items() if parent is not None else ()):
+            if child is mod:
+                return f"{parent_path}.{name}" if parent_path else name
+        return super().path_of_module(mod)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **options: Any) -> fx.Proxy:
+        """fx's, except that a move of a traced tensor to a CUDA device (``x.to("cuda:1")``,
+        ``x.cuda(1)``) leaves no node (see ``passes/moves.py``): one to another device than the
+        value's is read as a device tag from here on; what else it asks (a dtype) stays a
+        ``.to`` without the device."""
+        if kind == "call_method" and target in ("to", "cuda") and args and isinstance(args[0], fx.Proxy) and args[0].tracer is self:
+            move = read_move(target, args[1:], kwargs)
+            if move is not None:
+                where = self._device_of(args[0].node)
+                if where != move.device:  # ``.to(x.device)`` of a value already there moves nothing
+                    self._read_move(where, move.device, caller_line())
+                if move.leaves_nothing:
+                    return args[0]
+                return super().create_proxy(kind, "to", (args[0], *move.args), dict(move.kwargs), *rest, **options)
+        return super().create_proxy(kind, target, args, kwargs, *rest, **options)
+
+    def _device_of(self, node: fx.Node) -> str | None:
+        """The canonical device of a traced tensor's example value, or None (not a tensor, meta)."""
+        value = self._value(node)
+        if not isinstance(value, torch.Tensor) or value.device.type not in ("cpu", "cuda"):
+            return None
+        return "cpu" if value.device.type == "cpu" else f"cuda:{value.device.index or 0}"
+
+    def _read_move(self, before: str | None, device: str, line: str) -> None:
+        """Nodes from now on run on ``device`` (the move at ``line`` of forward). At the first
+        move, the computation before it (untagged) runs where the moved value is (``before``:
+        where the user placed the modules that made it), so the move is a stage boundary."""
+        if self.moves_read == 0 and before is not None:
+            for node in self.graph.nodes:
+                if node.op in COMPUTE_OPS and tag_of(node) is None:
+                    _tag(node, before, f"before the first move in forward, where the moved value is ({before!r})")
+        self._moved_to, self._move_source = device, f"moved to {device!r} in forward ({line})"
+        self.moves_read += 1
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_classes):
@@ -256,7 +326,8 @@ class PipeTracer(fx.Tracer):
             callee = _callee(f"{path} ({type(m).__name__})", "module", err, {path})
             self._opaque_modules[id(m)] = callee
             return self._call_opaque_module(path, args, kwargs, callee)
-        made = capture(self.graph, mark[0], path, leaves, out)
+        # a move read inside changes the device of what follows the call: never stamped
+        made = capture(self.graph, mark[0], path, leaves, out) if self.moves_read == mark[3][2] else None
         if made is not None:
             plain_ints(made)
         if keyed is not None:
@@ -265,7 +336,13 @@ class PipeTracer(fx.Tracer):
 
     def _stamp(self, template: Template, path: str, leaves: list[Any]) -> Any:
         rebound = functools.partial(self.blocks.rebound_callee, old=template.path, new=path)
-        _, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
+        env, (spec, outputs) = stamp(template, path, leaves, self.graph, self._attribute, rebound)
+        for node in template.nodes:  # the copies run where the last move sent them, not the template
+            copy = env[node]
+            if copy.op in COMPUTE_OPS and TAG_KEY in (copy.meta.get(CUSTOM) or {}):
+                copy.meta[CUSTOM] = {k: v for k, v in copy.meta[CUSTOM].items() if k not in (TAG_KEY, TAG_SOURCE)}
+            if copy.op in COMPUTE_OPS and self._moved_to is not None:
+                _tag(copy, self._moved_to, self._move_source)
         self.blocks.stamped += 1
         return pytree.tree_unflatten([self.proxy(o) if isinstance(o, fx.Node) else o for o in outputs], spec)
 
@@ -397,14 +474,15 @@ class PipeTracer(fx.Tracer):
                 return fn
         return None
 
-    def _mark(self) -> tuple[fx.Node | None, int, int]:
+    def _mark(self) -> tuple[fx.Node | None, int, int, tuple[str | None, str, int]]:
         nodes = self.graph.nodes
-        return (next(iter(reversed(nodes)), None) if len(nodes) else None), len(self.module_stack), self._writes.mark()
+        last = next(iter(reversed(nodes)), None) if len(nodes) else None
+        return last, len(self.module_stack), self._writes.mark(), (self._moved_to, self._move_source, self.moves_read)
 
-    def _rollback(self, mark: tuple[fx.Node | None, int, int]) -> None:
+    def _rollback(self, mark: tuple[fx.Node | None, int, int, tuple[str | None, str, int]]) -> None:
         """Erase what a failed attempt added to the graph, fx's bookkeeping of it, and set
-        back the module attributes it wrote."""
-        last, depth, writes = mark
+        back the module attributes it wrote and the moves it read."""
+        last, depth, writes, (self._moved_to, self._move_source, self.moves_read) = mark
         self._writes.undo(writes)
         doomed = []
         for node in reversed(self.graph.nodes):
@@ -472,9 +550,9 @@ class PipeTracer(fx.Tracer):
             return proxy
         value = pytree.tree_map(unwatched, value)
         guard = output_guard(value, callee, estimated=self._example.data_dependent(proxy.node))
-        if guard is None:
-            return proxy
         out = self.create_proxy("call_function", guard, (proxy,), {})
+        if isinstance(guard, TensorGuard):
+            return out
         leaves, spec = pytree.tree_flatten(value)
         for j, k in enumerate(guard.passed):
             leaves[k] = out[j]
@@ -568,6 +646,10 @@ class PipeTracer(fx.Tracer):
     def tracing_here(self) -> bool:
         """Whether the current thread is tracing (not replaying) for this tracer."""
         return threading.get_ident() == self._thread and not self._replaying
+
+
+def _tag(node: fx.Node, device: str, source: str) -> None:
+    node.meta[CUSTOM] = {**(node.meta.get(CUSTOM) or {}), TAG_KEY: device, TAG_SOURCE: source}
 
 
 def _callee(name: str, kind: str, err: BaseException, modules: set[str]) -> OpaqueCallee:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.meta import MODULE_PATH, VAL
 from fxpipe.passes.module_state import preserved_module_state
+from fxpipe.passes.moves import MovesIgnored
 from fxpipe.passes.shape_prop import describe, propagate_shapes
 from fxpipe.passes.trace_errors import user_line
 from fxpipe.passes.traced import Traced, TraceError
@@ -128,7 +129,8 @@ def eager_on_fake(
             return torch.empty(shape, dtype=t.dtype, device=device)
 
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_input, (tuple(args), dict(kwargs)))
-        with preserved_module_state(model), (KernelDtypes() if kernel_dtypes else contextlib.nullcontext()):
+        # CUDA moves in forward are left out, as the trace leaves them out (passes/moves.py)
+        with preserved_module_state(model), MovesIgnored(), (KernelDtypes() if kernel_dtypes else contextlib.nullcontext()):
             return torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
 
 

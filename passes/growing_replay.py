@@ -29,13 +29,14 @@ UNKNOWN = object()  # the value of a node the replay could not run
 class GrowingReplay:
     """A fake run of ``graph`` that keeps up with it as it grows.
 
-    resolve: target -> module or tensor; inputs: a placeholder's example value.
+    resolve: target -> module or tensor; inputs: a placeholder's example value;
+    real_inputs: whether those values are the example's own (else only their shapes count).
     ``replay`` is the underlying FakeReplay (values, keys, templates, runs).
     """
 
-    def __init__(self, graph: fx.Graph, resolve: Callable[[str], Any], inputs: Callable[[fx.Node], Any]) -> None:
+    def __init__(self, graph: fx.Graph, resolve: Callable[[str], Any], inputs: Callable[[fx.Node], Any], real_inputs: bool = True) -> None:
         self.graph, self.resolve, self.inputs = graph, resolve, inputs
-        self.replay = FakeReplay()
+        self.replay = FakeReplay(real_inputs=real_inputs)
         self._done: set[fx.Node] = set()
         self._dependent: set[fx.Node] = set()
         self._last: fx.Node | None = None

@@ -130,13 +130,42 @@ class OutputGuard:
         return hash(self._key)
 
 
-def output_guard(value: Any, callee: OpaqueCallee, estimated: bool = False) -> OutputGuard | None:
-    """The guard for an opaque callee whose value (on fake tensors) is ``value``, or None when
-    the value is one tensor (nothing to assume: the node's value is handed on as is).
+class TensorGuard:
+    """What the trace assumed of an opaque callee that returned one tensor: that it returns
+    a tensor at run time too (HF's ``eager_mask`` returns None for a micro-batch without
+    padding). Returns it; raises OpaqueOutputError naming the callee otherwise."""
+
+    def __init__(self, callee: OpaqueCallee) -> None:
+        self.callee = callee
+        self.__name__ = "tensor_of_" + "".join(c if c.isalnum() else "_" for c in callee.name.split(" ")[0])
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, value: Any) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise OpaqueOutputError(
+                f"{self.callee.name} returned {_render(*pytree.tree_flatten(value))} but the trace assumed a "
+                f"tensor (it runs whole because {self.callee.reason}): its output depends on the values of this call "
+                "(a mask builder returns None when no token is padded); give every micro-batch inputs that keep its "
+                "output's structure (pad each micro-batch alike), or use an implementation that always returns a "
+                "tensor (HF: attn_implementation='sdpa')"
+            )
+        return value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorGuard)
+
+    def __hash__(self) -> int:
+        return hash(TensorGuard)
+
+
+def output_guard(value: Any, callee: OpaqueCallee, estimated: bool = False) -> OutputGuard | TensorGuard:
+    """The guard for an opaque callee whose value (on fake tensors) is ``value``: a
+    :class:`TensorGuard` when it is one tensor, else an :class:`OutputGuard`.
     ``estimated``: the value came from a run on zeros (the call depends on tensor values):
     only its structure and None leaves are assumed; numbers and flags are graph values."""
     if isinstance(value, torch.Tensor):
-        return None
+        return TensorGuard(callee)
     leaves, spec = pytree.tree_flatten(value)
     constants = {k: leaf for k, leaf in enumerate(leaves) if (leaf is None if estimated else is_constant(leaf))}
     passed = tuple(k for k in range(len(leaves)) if k not in constants)
@@ -170,4 +199,4 @@ def _render_expected(guard: OutputGuard) -> str:
     return _render(leaves, guard.spec)
 
 
-__all__ = ["OpaqueCall", "OpaqueCallee", "OpaqueOutputError", "OutputGuard", "output_guard"]
+__all__ = ["OpaqueCall", "OpaqueCallee", "OpaqueOutputError", "OutputGuard", "TensorGuard", "output_guard"]

@@ -1,7 +1,9 @@
 """Shape propagation on fake tensors: no real compute, the model's state untouched.
 
 Writes ``node.meta["val"]`` on every node: the node's value with every tensor replaced by
-a FakeTensor (shape, strides, dtype, device, requires_grad), or a Python value as it was.
+a FakeTensor (shape, strides, dtype, device, requires_grad), or a Python value as it was;
+``node.meta["real_run"]`` on a node that could not run on fake tensors and ran for real
+(see :mod:`fxpipe.passes.fake_replay`): why.
 Modules run with their training flags as they are, on fake copies of their parameters and
 buffers, so BatchNorm running statistics are never updated. The values come from one
 :mod:`fxpipe.passes.fake_replay` run, which the cost pass then reads too.
@@ -10,6 +12,7 @@ buffers, so BatchNorm running statistics are never updated. The values come from
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.passes.fake_replay import FakeReplay, replay
-from fxpipe.passes.meta import VAL
+from fxpipe.passes.meta import MODULE_PATH, REAL_RUN, VAL
 
 
 def propagate_shapes(
@@ -47,6 +50,32 @@ def record_values(fake_run: FakeReplay) -> None:
     while tracing on the same example)."""
     for node, value in fake_run.values.items():
         node.meta[VAL] = value
+    for node, why in fake_run.real_run_reasons().items():
+        node.meta[REAL_RUN] = why
+
+
+def real_runs(graph: fx.Graph) -> list[RealRun]:
+    """The nodes of ``graph`` that ran for real in shape propagation, in graph order."""
+    return [
+        RealRun(n.name, n.meta.get(MODULE_PATH, ""), _target_name(n), n.meta[REAL_RUN])
+        for n in graph.nodes if REAL_RUN in n.meta
+    ]
+
+
+@dataclass(frozen=True)
+class RealRun:
+    """A node that ran for real at compile time: its name, module, what it calls and why."""
+
+    node: str
+    module: str
+    target: str
+    why: str
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    return getattr(node.target, "__name__", None) or str(node.target)
 
 
 def tensor_bytes(value: Any) -> int:

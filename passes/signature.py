@@ -23,9 +23,10 @@ Writes no ``node.meta`` keys.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +95,7 @@ class TraceKey:
     def __str__(self) -> str:
         parts = []
         for name, spec, leaves in self.arguments:
-            parts.append(f"{name}: {_render(pytree.tree_unflatten(list(leaves), spec))}")
+            parts.append(f"{name}: {_render_argument(spec, leaves)}")
         return ", ".join(parts)
 
     def brief(self) -> str:
@@ -104,7 +105,7 @@ class TraceKey:
         for name, spec, leaves in self.arguments:
             if not leaves or all(isinstance(d, Constant) and d.value is None for d in leaves):
                 continue
-            parts.append(f"{name}: {_render(pytree.tree_unflatten(list(leaves), spec))}")
+            parts.append(f"{name}: {_render_argument(spec, leaves)}")
         return ", ".join(parts) or "(no arguments)"
 
     def batch_free(self) -> TraceKey:
@@ -123,9 +124,8 @@ class TraceKey:
         lines = []
         for name, spec, leaves in self.arguments:
             if theirs.get(name) != (spec, leaves):
-                mine = _render(pytree.tree_unflatten(list(leaves), spec))
                 other_spec, other_leaves = theirs.get(name, (pytree.tree_flatten(None)[1], (Constant("absent", None),)))
-                lines.append(f"{name}: {mine} -> {_render(pytree.tree_unflatten(list(other_leaves), other_spec))}")
+                lines.append(f"{name}: {_render_argument(spec, leaves)} -> {_render_argument(other_spec, other_leaves)}")
         return lines
 
 
@@ -136,6 +136,42 @@ def _render(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_render(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def _render_argument(spec: pytree.TreeSpec, leaves: tuple[Any, ...]) -> str:
+    """One argument of a key: builtin containers as Python writes them, a registered class
+    by its type, its children and the Python values it keeps in its context
+    (``PackedMask(i64[*, *], bool[*, *, *]; context (9, True))``), never by rebuilding it
+    from descriptors."""
+    if not _has_registered_class(spec):
+        return _render(pytree.tree_unflatten(list(leaves), spec))
+    rendered = iter(_render_tree(spec, iter(leaves)))
+    return next(rendered)
+
+
+def _has_registered_class(spec: pytree.TreeSpec) -> bool:
+    if spec.is_leaf():
+        return False
+    return spec.type not in pytree.BUILTIN_TYPES or any(_has_registered_class(c) for c in spec.children())
+
+
+def _render_tree(spec: pytree.TreeSpec, leaves: Iterator[Any]) -> list[str]:
+    if spec.is_leaf():
+        return [str(next(leaves))]
+    children = [text for child in spec.children() for text in _render_tree(child, leaves)]
+    if spec.type in pytree.BUILTIN_TYPES:
+        return [_render(pytree.tree_unflatten([_Text(c) for c in children], spec))]
+    context = spec.context
+    names = context[0] if dataclasses.is_dataclass(spec.type) and isinstance(context, list) and len(context) == 2 else None
+    if isinstance(names, list) and len(names) == len(children):
+        return [f"{spec.type.__name__}({', '.join(f'{n}={c}' for n, c in zip(names, children))})"]
+    return [f"{spec.type.__name__}({', '.join(children)}; context {context!r})"]
+
+
+class _Text(str):
+    """A rendered piece placed back into a builtin container, printed as is."""
+
+    __slots__ = ()
 
 
 def is_constant(value: Any) -> bool:

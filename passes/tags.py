@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch.fx as fx
 from torch.fx import traceback as fx_traceback
 
-from fxpipe.passes.meta import CUSTOM, TAG_KEY
+from fxpipe.passes.meta import CUSTOM, TAG_KEY, TAG_SOURCE
 
 _state = threading.local()
 
@@ -77,6 +77,15 @@ def tag_of(node: fx.Node) -> str | None:
     """The device_guard tag of a node, or None."""
     custom = node.meta.get(CUSTOM) or {}
     return custom.get(TAG_KEY)
+
+
+def tag_source(node: fx.Node, block: bool = False) -> str:
+    """What tagged a node, for ``explain()``: ``device_guard('cuda:1')`` (with ``block``:
+    ``device_guard('cuda:1') block``), or the move in forward that set it (``passes/moves.py``)."""
+    custom = node.meta.get(CUSTOM) or {}
+    if custom.get(TAG_SOURCE):
+        return custom[TAG_SOURCE]
+    return f"device_guard({custom.get(TAG_KEY)!r})" + (" block" if block else "")
 
 
 def has_tags(graph: fx.Graph) -> bool:

@@ -95,15 +95,19 @@ def trace(
         bound = signature.bind_partial(*example_inputs, **dict(example_kwargs or {}))
     except TypeError as err:
         raise SignatureError(f"example inputs do not match {owner}.forward{signature}: {err}") from None
+    notes: list[str] = []
+    concrete_args = dict(concrete_args or {})
+    for name, value in inference_only_defaults(model, signature, bound, concrete_args).items():
+        concrete_args[name] = value
+        notes.append(f"{name} left out: traced with {name}={value!r} (an inference-only option; a pipeline's call returns no generation cache)")
     # an argument the example leaves out stays an input (fx needs no value for it); the
     # compiler's bind_inputs then asks for a complete example
     bound.apply_defaults()
-    notes: list[str] = []
     failures: list[tuple[str, BaseException]] = []
     with quiet_attempt():
         if frontend in ("auto", "fx"):
             try:
-                traced = trace_fx(model, signature, bound, leaf_modules, concrete_args or {}, dynamic_batch)
+                traced = trace_fx(model, signature, bound, leaf_modules, concrete_args, dynamic_batch)
             except (TraceError, TagError):
                 raise  # a wrong device_guard or a None operand: every frontend stops there
             except Exception as err:  # noqa: BLE001 - any failure means: try the next frontend
@@ -111,6 +115,7 @@ def trace(
                 if frontend == "fx":
                     raise TraceError(failure_message(model, failures, bound, fx_only=True), failures) from None
             else:
+                traced.notes[:0] = notes
                 return traced
         try:
             traced = trace_export(model, signature, bound, dynamic_batch)
@@ -128,4 +133,26 @@ def trace(
         warnings.warn(f"fxpipe: {note}", stacklevel=2)
     traced.notes[:0] = notes
     return traced
+
+
+# forward arguments that only serve generation (incremental decoding), with the value a
+# training-mode trace takes when the call leaves them out: HF's ``use_cache`` defaults to
+# the config's (True), which builds a DynamicCache that neither frontend can carry as a value
+INFERENCE_ONLY = {"use_cache": False}
+
+
+def inference_only_defaults(
+    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The inference-only arguments (:data:`INFERENCE_ONLY`) that ``forward`` takes, the
+    call leaves out (neither passed nor in ``concrete_args``) and the model's ``config``
+    does not already set to that value, with the value fx traces them at. Read before the
+    call's defaults are applied."""
+    config = getattr(model, "config", None)
+    return {
+        name: value
+        for name, value in INFERENCE_ONLY.items()
+        if name in signature.parameters and name not in bound.arguments and name not in concrete_args
+        and getattr(config, name, None) != value
+    }
 

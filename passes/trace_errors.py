@@ -100,6 +100,11 @@ def failure_message(
     lines = [f"fxpipe could not trace {type(model).__name__}:"]
     for name, err in failures:
         lines.append(f"  {name} stopped in {where(model, err)}: {first_line(err)}")
+    if any("Cache" in first_line(err) for _, err in failures):
+        lines.append(
+            "A generation cache (a DynamicCache) reached the trace: leave use_cache out of the call (fxpipe then traces "
+            "with use_cache=False) or pass use_cache=False; a pipeline returns no cache for incremental decoding."
+        )
     lines.append(
         "Fixes: mark the module that fails as a leaf (Plan(leaf_modules=[ModuleClass or 'path.to.module'])),"
         " fix data-dependent Python control flow with Plan(concrete_args={...}),"

@@ -16,6 +16,7 @@ rewired by ``passes/mode.py``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,10 +48,23 @@ def _dynamic_batch_shapes(bound: inspect.BoundArguments) -> dict[str, Any] | Non
     shapes = {}
     for name, value in bound.arguments.items():
         if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            shapes.update({k: pytree.tree_map(spec, v) for k, v in value.items()})  # export names them one by one
+            shapes.update({k: _shapes_of(v, spec) for k, v in value.items()})  # export names them one by one
         else:
-            shapes[name] = pytree.tree_map(spec, value)
+            shapes[name] = _shapes_of(value, spec)
     return shapes
+
+
+def _shapes_of(value: Any, spec: Callable[[Any], Any]) -> Any:
+    """``spec`` of every leaf of ``value``, in the form torch.export reads: the same
+    container for builtin ones (tuples, lists, dicts, NamedTuples), the list of its
+    children's for a registered class (a dataclass mask), whose own type export does not
+    take as a container of shapes."""
+    node = pytree._get_node_type(value)
+    if node not in pytree.SUPPORTED_NODES:
+        return spec(value)
+    children, context = pytree.SUPPORTED_NODES[node].flatten_fn(value)
+    shapes = [_shapes_of(child, spec) for child in children]
+    return pytree.SUPPORTED_NODES[node].unflatten_fn(shapes, context) if node in pytree.BUILTIN_TYPES else shapes
 
 
 def _batch_of_one_doubled(bound: inspect.BoundArguments) -> inspect.BoundArguments:

@@ -107,9 +107,11 @@ def root_call(
         template = user_concrete.get(name, value)
         leaves, spec = flat_leaves(template)
         holes = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor | type(fx.PH))]
-        if value is _MISSING or (name not in user_concrete and not all(isinstance(x, torch.Tensor) or is_constant(x) for x in leaves)):
+        kept = value is _MISSING or (name not in user_concrete and not all(isinstance(x, torch.Tensor) or is_constant(x) for x in leaves))
+        if kept:
             leaves, spec, holes = [value], pytree.tree_structure(None), [0]  # an object: one input, as fx keeps it
-        whole = len(leaves) == 1 and name not in user_concrete
+        # one input for the whole argument: a tensor or such an object, never a 1-tuple of a tensor
+        whole = name not in user_concrete and (kept or (len(leaves) == 1 and spec.is_leaf()))
         actual = flat_leaves(value)[0] if not whole else [value]
         pairs = []
         for k in holes:

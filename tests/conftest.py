@@ -43,6 +43,8 @@ def assert_grads_match(pipe: fxpipe.Pipeline, ref: nn.Module, rtol: float = 1e-4
     expected = dict(ref.named_parameters())
     got = dict(pipe.named_parameters())
     assert list(got) == [n for n, _ in ref.named_parameters()], "parameter names/order differ from eager"
+    shared = [name for name, param in got.items() if param is expected[name]]
+    assert not shared, f"the eager reference holds the pipeline's own parameters ({shared[:3]}): compare with a copy made before compiling"
     for name, param in got.items():
         ref_grad = expected[name].grad
         if ref_grad is None:
@@ -66,6 +68,8 @@ def check_pipeline_matches_eager(
     ref = copy.deepcopy(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pipe = fxpipe.compile(model, plan, example_inputs=inputs, loss_fn=loss_fn)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), before[key]), f"compiling changed the user's model: {key}"
     loss = pipe.step(*inputs, target=target)
     ref_loss = eager_microbatch_step(ref, inputs, target, loss_fn, plan.microbatches)
     torch.testing.assert_close(loss.cpu(), ref_loss, rtol=rtol, atol=atol)
@@ -79,9 +83,11 @@ def check_pipeline_matches_eager(
         else:
             expected = _first_tensor(ref(*inputs))
         torch.testing.assert_close(_first_tensor(pipe(*inputs)), expected, rtol=rtol, atol=atol)
-    after = model.state_dict()
-    for key, value in before.items():
-        assert torch.equal(after[key], value), f"compiling/running changed the user's model: {key}"
+    # the pipeline's tensors are the model's own: its buffers (BatchNorm statistics) moved as
+    # eager's did, its parameters (no optimizer step) not at all
+    after, expected = model.state_dict(), ref.state_dict()
+    for key in before:
+        torch.testing.assert_close(after[key].cpu(), expected[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"the model's {k} after the step: {m}")
     return pipe
 
 

@@ -90,6 +90,7 @@ def compare(pipe, ref: nn.Module, eager_loss: float, loss: torch.Tensor) -> dict
 
 def check_case(model: nn.Module, plan: dict, args: tuple, target: torch.Tensor, m_eager: int | None = None, **compile_kw) -> dict:
     plan = fxpipe.Plan(**plan)
+    model.zero_grad()  # the pipeline's parameters are the model's: an earlier case's gradients are on them
     ref, eager_loss = eager_reference(model, args, target, m_eager or plan.microbatches)
     pipe = fxpipe.compile(model, plan, example_inputs=args, loss_fn=CE, **compile_kw)
     loss = pipe.step(*args, target=target)
@@ -137,6 +138,7 @@ def two_rank_cases() -> dict:
     # and a float64 model's loss crosses ranks in float64
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["4"], microbatches=4)
     x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    net.zero_grad()  # the last pipeline's gradients are on the model's own parameters
     ref, eager_loss = eager_reference(net, (x,), t, 4)
     pipe = fxpipe.compile(net, plan, example_inputs=(x,), loss_fn=CE)
     with torch.no_grad():
@@ -480,11 +482,11 @@ def replicas_with_batchnorm() -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     x, t = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)  # before the step, which updates the model's own statistics
     pipe = fxpipe.compile(model, fxpipe.Plan(data_parallel=2, microbatches=2), example_inputs=(x,), loss_fn=CE)
     pipe.step(x, target=t)
     # what each replica saw: its half of the batch, cut into two micro-batches
     shard = x[4:] if int(os.environ["RANK"]) else x[:4]
-    ref = copy.deepcopy(model)
     for piece in shard.tensor_split(2):
         ref(piece)
     state = pipe.state_dict()

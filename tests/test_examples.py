@@ -41,6 +41,13 @@ def test_device_guard_example_matches_eager_and_falls_back_to_cpu(model, capsys)
     assert "first step: loss" in out and "samples/s" in out
 
 
+def test_demo_smoke_matches_eager(capsys):
+    result = example("demo").main(["--smoke"])
+    assert result["grad_difference"] < 1e-4
+    assert abs(result["loss"] - result["eager_loss"]) < 1e-4
+    assert "step 1: loss" in capsys.readouterr().out
+
+
 def test_one_f_one_b_digits_loss_curves_equal_eager():
     eager, *pipelined = example("one_f_one_b_digits").main(["--smoke", "--no-progress"])
     assert [r.label for r in pipelined] == ["1f1b", "interleaved-1f1b"]
@@ -121,3 +128,11 @@ def test_torchrun_timeline_example_gathers_every_rank_into_one_chart_and_trace(t
     trace = json.loads((tmp_path / "torchrun-trace.json").read_text())["traceEvents"]
     assert sorted(e["args"]["name"] for e in trace if e["name"] == "process_name") == ["rank 0: stage 0, cpu", "rank 1: stage 1, cpu"]
     assert (tmp_path / "torchrun-timeline.png").stat().st_size > 0
+
+
+def test_every_example_script_takes_smoke():
+    """docs/examples.md promises --smoke of every scenario script (the docs tool aside)."""
+    scripts = [p for p in sorted(EXAMPLES.glob("*.py")) if "__main__" in p.read_text() and p.name != "refresh_docs.py"]
+    assert len(scripts) >= 10
+    missing = [p.name for p in scripts if '"--smoke"' not in p.read_text() and "add_training_options(" not in p.read_text()]
+    assert not missing, f"examples without --smoke: {missing}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -275,3 +276,41 @@ def test_cli_ends_the_other_ranks_and_exits_non_zero(tmp_path: Path) -> None:
     assert time.monotonic() - start < 30
     assert run.returncode == 3, run.stdout + run.stderr
     assert "rank 1 failed first (exit code 3" in run.stderr, run.stderr
+
+
+ENV_RANK = """
+import os, sys, json, torch
+sys.path.insert(0, {tests!r})
+from test_launch import _listening
+import fxpipe
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+x = torch.randn(4, 4)
+pipe = fxpipe.compile(model, fxpipe.Plan(devices=["cpu", "cpu"], split=["2"], microbatches=2), example_inputs=(x,))
+pipe(x)
+port = int(os.environ["MASTER_PORT"])
+print(json.dumps(sorted({{address for address, p, _ in _listening() if p == port}})), flush=True)
+pipe.close()
+torch.distributed.barrier()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads listening sockets from Linux's /proc")
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_the_store_rank_0_hosts_under_plain_env_variables_listens_on_master_addr_only() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    script = textwrap.dedent(ENV_RANK.format(tests=str(Path(__file__).parent)))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    rank0 = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert rank0 == ["127.0.0.1"], rank0  # never 0.0.0.0 or ::

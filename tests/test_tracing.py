@@ -96,7 +96,7 @@ def test_stage_holds_only_its_own_parameters() -> None:
     assert all(not n.startswith(("layer3", "layer4", "fc")) for n in first)
     assert first | second == {n for n, _ in model.named_parameters()}
     own = {id(p) for p in model.parameters()}
-    assert not any(id(p) in own for p in pipe.parameters())  # copies, not the user's tensors
+    assert all(id(p) in own for p in pipe.parameters())  # the user's own tensors, not copies
 
 
 def test_pipeline_output_supports_autograd() -> None:

@@ -8,6 +8,7 @@ step's count of scored tokens (-100 labels left out).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -96,12 +97,13 @@ def grad_error(pipe, model: nn.Module) -> float:
 def test_listed_microbatches_of_four_lengths_equal_eager_under_every_schedule(name: str) -> None:
     torch.manual_seed(0)
     model = DocLM().double()
+    ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
     entries, targets = doc_batches()
     pipe = fxpipe.compile(model, plan_for(name), example_inputs=entries[0], loss_fn=token_mean)
     loss = pipe.step(microbatches=entries, targets=targets)
-    eager = eager_step(model, entries, targets)
+    eager = eager_step(ref, entries, targets)
     assert torch.allclose(loss, eager, rtol=1e-12, atol=0), (float(loss), float(eager))
-    assert grad_error(pipe, model) < 1e-12
+    assert grad_error(pipe, ref) < 1e-12
     with torch.no_grad():
         outputs = pipe(microbatches=entries)
         assert isinstance(outputs, list) and len(outputs) == len(entries)
@@ -127,6 +129,7 @@ def test_each_microbatch_sees_its_own_document_mask_as_it_crosses_the_stages(sch
     documents)."""
     torch.manual_seed(0)
     model = DocLM(build_masks=True).double()
+    ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
     entries, targets = doc_batches(1, LENGTHS + (9, 16))
     assert entries[3][0].shape == entries[5][0].shape and not torch.equal(entries[3][1].document, entries[5][1].document)
     plan = fxpipe.Plan(split=["blocks.1", "blocks.3"], devices=["cpu"] * 3, schedule=schedule, frontend="fx", leaf_modules=[MaskBuilder])
@@ -134,9 +137,9 @@ def test_each_microbatch_sees_its_own_document_mask_as_it_crosses_the_stages(sch
     crossing = [e.description for s in pipe.stages for e in s.inputs if e.name == "masks"]
     assert crossing == ["(bool[2, 5, 5], int)"] * 2, crossing  # the whole structure crosses
     loss = pipe.step(microbatches=entries, targets=targets)
-    eager = eager_step(model, entries, targets)
+    eager = eager_step(ref, entries, targets)
     assert torch.allclose(loss, eager, rtol=1e-12, atol=0)
-    assert grad_error(pipe, model) < 1e-12
+    assert grad_error(pipe, ref) < 1e-12
 
 
 def test_a_mask_dataclass_is_cut_with_the_batch_and_an_opaque_one_is_refused() -> None:
@@ -291,13 +294,14 @@ def check_hf_listed(family: str, loss: str, schedule: str) -> None:
 
     torch.manual_seed(0)
     model = llm_models.FAMILIES[family].build().double()
+    ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
     batches = hf_batches(0)
     pipe = hf_pipe(model, family, loss, batches, schedule=schedule)
     result = run_hf_listed(pipe, batches, loss)
-    eager = hf_eager(model, batches, loss)
+    eager = hf_eager(ref, batches, loss)
     tolerance = 1e-6 if loss == "labels" else 1e-12
     assert torch.allclose(result.double(), eager.double(), rtol=tolerance, atol=0), (float(result), float(eager))
-    assert grad_error(pipe, model) < tolerance
+    assert grad_error(pipe, ref) < tolerance
 
 
 # ------------------------------------------------------------------ torchrun
@@ -311,13 +315,14 @@ def listed_on_ranks(names: list[str]) -> dict:
     for name in names:
         torch.manual_seed(0)
         model = DocLM(build_masks=name in ("1f1b", "zb-h1")).double()
+        ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
         plan = plan_for(name, frontend="fx", leaf_modules=[MaskBuilder])
         with fxpipe.compile(model, plan, example_inputs=entries[0], loss_fn=token_mean) as pipe:
             loss = pipe.step(microbatches=entries, targets=targets)
             outputs = pipe(microbatches=entries)
             with torch.no_grad():
                 out_error = None if outputs is None else max(float((o - model(*e)).abs().max()) for o, e in zip(outputs, entries))
-            result[name] = (float(loss), float(eager_step(model, entries, targets)), grad_error(pipe, model), out_error)
+            result[name] = (float(loss), float(eager_step(ref, entries, targets)), grad_error(pipe, ref), out_error)
     model = DocLM(build_masks=True)
     model.masks.forward = lambda mask: Opaque(allowed=allowed(mask.document, mask.window))
     with fxpipe.compile(model, fxpipe.Plan(split=["blocks.2"], devices=["cpu"] * 2, frontend="fx", leaf_modules=[MaskBuilder]), example_inputs=entries[0], loss_fn=token_mean) as pipe:
@@ -348,12 +353,13 @@ def listed_hf_on_ranks(family: str, loss: str, replicas: int, schedule: str, fie
 
     torch.manual_seed(0)
     model = llm_models.FAMILIES[family].build().double()
+    ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
     replica = int(os.environ["RANK"]) // 2  # compile initialises the process group
     everyone = [hf_batches(r, LENGTHS if r % 2 == 0 else LENGTHS[::-1]) for r in range(replicas)]
     with hf_pipe(model, family, loss, everyone[0], schedule=schedule, data_parallel=replicas, **(fields or {})) as pipe:  # one example on every rank
         result = run_hf_listed(pipe, everyone[replica], loss)
-        eager = hf_eager(model, [b for batches in everyone for b in batches], loss)
-        out = (float(result), float(eager), grad_error(pipe, model))
+        eager = hf_eager(ref, [b for batches in everyone for b in batches], loss)
+        out = (float(result), float(eager), grad_error(pipe, ref))
     dist.destroy_process_group()
     return out
 
@@ -366,6 +372,7 @@ def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
 
     torch.manual_seed(0)
     model = DocLM(build_masks=True).double()
+    ref = copy.deepcopy(model)  # eager's copy: the pipeline's parameters are the model's own
     everyone = [doc_batches(r, LENGTHS if r == 0 else LENGTHS[::-1]) for r in range(2)]
     entries, targets = everyone[int(os.environ["RANK"]) // 2]  # compile initialises the process group
     plan = fxpipe.Plan(
@@ -373,8 +380,8 @@ def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
     )
     with fxpipe.compile(model, plan, example_inputs=everyone[0][0][0], loss_fn=token_mean) as pipe:  # one example on every rank
         loss = pipe.step(microbatches=entries, targets=targets)
-        eager = eager_step(model, everyone[0][0] + everyone[1][0], everyone[0][1] + everyone[1][1])
-        out = (float(loss), float(eager), grad_error(pipe, model))
+        eager = eager_step(ref, everyone[0][0] + everyone[1][0], everyone[0][1] + everyone[1][1])
+        out = (float(loss), float(eager), grad_error(pipe, ref))
     dist.destroy_process_group()
     return out
 

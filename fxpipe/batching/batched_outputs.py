@@ -4,7 +4,10 @@ and one call's output shapes.
 The pipelines merge micro-batches' outputs by what they are (``fxpipe.batching.microbatch.merge``):
 an output whose dim 0 follows the input batch is concatenated, any other is merged as
 ``Plan.output_merge`` says. This module answers the question once per input structure,
-with the compiler's fake eager run (``fxpipe.passes.generalise.eager_on_fake``). A step of
+from the traced program's own data flow: its graph replayed on fake tensors at two batch
+sizes (``fxpipe.passes.fake_replay``, where a node that cannot run on fake tensors, a
+router's ``nonzero``, runs for real), else with the compiler's fake eager run
+(``fxpipe.passes.generalise.eager_on_fake``). A step of
 listed micro-batches counts its loss's tokens before anything runs, on each micro-batch's
 output as meta tensors (:func:`output_like`). The pipelines get both handed in by
 ``fxpipe.factory``, so no runtime imports a pass.
@@ -12,6 +15,7 @@ output as meta tensors (:func:`output_like`). The pipelines get both handed in b
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from collections.abc import Mapping
@@ -22,13 +26,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.batching.microbatch import batch_size, leaves_with_paths, path_of
+from fxpipe.passes.fake_replay import FakeReplay
 from fxpipe.passes.generalise import eager_on_fake
+from fxpipe.passes.targets import resolver
 
 
-def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> dict[str, bool]:
+def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any] | None = None, part: Any = None) -> dict[str, bool]:
     """Which tensor outputs of ``model(*args, **kwargs)`` are batched: dim 0 follows the batch.
 
-    Runs ``forward`` twice on fake tensors (``FakeTensorMode``; the parameters and buffers
+    part: the call's ``Partitioned`` program, when there is one: its graph is replayed on
+    fake tensors at the batch N and at 2N (:func:`graph_batched_outputs`), which never
+    stops at a value a node reads (a node that cannot run on fake tensors runs for real).
+    Without it, or when that replay fails, ``forward`` runs twice on fake tensors (``FakeTensorMode``; the parameters and buffers
     are fake copies put in through ``torch.func.functional_call``), with every batch-sized
     input at the example's batch size N and at 2N: nothing is computed, and the model, its
     buffers and the random generators are left as they were. An output is batched when its
@@ -39,6 +48,11 @@ def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any
     """
     kwargs = dict(kwargs or {})
     n = batch_size((args, kwargs))
+    if part is not None and n is not None:
+        try:
+            return graph_batched_outputs(part, args, kwargs)
+        except Exception:  # noqa: BLE001 - the program's graph did not replay: ask the eager model
+            pass
     try:
         first = _fake_outputs(model, args, kwargs, n, n)
         second = _fake_outputs(model, args, kwargs, n, 2 * n) if n is not None else first
@@ -59,6 +73,52 @@ def batched_outputs(model: nn.Module, args: tuple = (), kwargs: Mapping[str, Any
             and rows > 0 and rows % n == 0 and again == 2 * rows
         )
     return batched
+
+
+def graph_batched_outputs(part: Any, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, bool]:
+    """Which tensor outputs of the traced program ``part`` (a ``Partitioned``) follow the
+    batch of the call ``(args, kwargs)``: its whole partitioned graph replayed on fake tensors
+    with the batch-sized inputs at N and at 2N rows. An output is batched when its dim 0 is
+    k x the batch for one k >= 1 at both sizes. Raises what the replay raises."""
+    flat = part.bind_inputs(tuple(args), dict(kwargs))
+    n = batch_size((args, kwargs))
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
+    modules = [stage.module for stage in part.stages]
+    resolve = resolver(*modules)
+    rows = []
+    for size in (n, 2 * n):
+        fake_run = FakeReplay(_device_for_skeletons(modules), real_inputs=size == n)
+        inputs = [_resized(x, n, size) if any(x is t for t in tensors) else x for x in flat]
+        with torch.no_grad():
+            out = part.build_output(fake_run.run(part.graph, inputs, resolve))
+        rows.append({
+            path_of(key_path): (int(leaf.shape[0]) if leaf.dim() > 0 else None)
+            for key_path, leaf in leaves_with_paths(out)
+            if isinstance(leaf, torch.Tensor)
+        })
+    first, second = rows
+    return {
+        path: rows_n is not None and rows_n > 0 and rows_n % n == 0 and second.get(path) == 2 * rows_n
+        for path, rows_n in first.items()
+    }
+
+
+def _device_for_skeletons(modules: list[nn.Module]) -> torch.device | None:
+    """None when every stage holds real tensors; else (a rank holding only its own stages,
+    the others on the meta device) the device of the real ones, or the CPU: a graph that
+    reads ``x.device`` would otherwise see ``meta``."""
+    tensors = [t for m in modules for t in itertools.chain(m.parameters(), m.buffers())]
+    if not any(t.is_meta for t in tensors):
+        return None
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+
+
+def _resized(t: torch.Tensor, n: int, size: int) -> torch.Tensor:
+    """``t`` with ``size`` rows where it has the batch's ``n`` (on the meta device: only its
+    shape is read), else ``t``."""
+    if size == n or t.shape[0] != n:
+        return t
+    return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
 
 
 def _fake_outputs(model: nn.Module, args: tuple, kwargs: dict, n: int | None, size: int | None) -> dict[str, int | None]:

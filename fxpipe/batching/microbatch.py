@@ -10,7 +10,8 @@ batch's. A step's target is cut the same way, and must be batch-sized.
 
 A step may instead be given its micro-batches as a list (``pipe.step(microbatches=[...])``):
 each entry one micro-batch's arguments, of any sizes. :func:`listed_calls` checks that
-the entries agree on everything but sizes (:func:`argument_structure`).
+the entries agree on everything but sizes and the contexts of registered pytree classes (a
+mask's ``seq_len``), which a signature of their own serves (:func:`argument_structure`).
 
 Outputs are put back together by what they are, decided at compile time: an output
 whose dim 0 follows the input batch (``fxpipe.batching.batched_outputs``) is concatenated; any
@@ -23,6 +24,7 @@ namedtuple fields joined by dots ("1", "aux", "0.aux"); a bare tensor's path is 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -146,7 +148,7 @@ def listed_calls(entries: Any, targets: Any, forward: Any) -> tuple[list[tuple[t
     Returns ((args, kwargs) per micro-batch, one target per micro-batch: None each when
     ``targets`` is None). Raises MicrobatchError for an empty list, an entry of another
     kind, a targets list of another length, or entries whose arguments differ in anything
-    but sizes (naming the micro-batch and the argument).
+    but sizes and registered classes' contexts (naming the micro-batch and the argument).
     """
     if not isinstance(entries, list | tuple) or not entries:
         raise MicrobatchError(
@@ -169,8 +171,9 @@ def listed_calls(entries: Any, targets: Any, forward: Any) -> tuple[list[tuple[t
         if differences:
             raise MicrobatchError(
                 f"micro-batch {i} passes other arguments than micro-batch 0 ({'; '.join(differences)}): the entries of "
-                "microbatches= may differ in their tensors' sizes only (sequence length, batch size), not in which "
-                "arguments are given, their dtypes, ranks, containers or constants; run the others in a step of their own"
+                "microbatches= may differ in their tensors' sizes (sequence length, batch size) and in the Python values "
+                "a registered pytree class keeps in its context (a mask's seq_len: traced once per value), not in which "
+                "arguments are given, their dtypes, ranks, containers, children or constants; run the others in a step of their own"
             )
     return calls, list(targets)
 
@@ -207,7 +210,23 @@ def _shape_free(value: Any) -> tuple[str, str]:
         f"{str(t.dtype).replace('torch.', '')}[{', '.join('*' * t.dim())}]" if isinstance(t, torch.Tensor) else repr(t)
         for t in leaves
     ]
-    return _rendered(spec, iter(described)), f"{spec} {described}"
+    return _rendered(spec, iter(described)), f"{_context_free(spec)} {described}"
+
+
+# containers whose context is part of what they hold (dict keys, a NamedTuple's class,
+# a deque's maxlen): a different context is a different container
+_CONTEXT_IS_STRUCTURE = (dict, OrderedDict, defaultdict, deque)
+
+
+def _context_free(spec: pytree.TreeSpec) -> str:
+    """The pytree structure, without the context of registered classes: the Python values
+    a class keeps beside its children (a BlockMask's sequence lengths) are traced as
+    constants, so a micro-batch whose context differs gets a signature (a trace) of its own."""
+    if spec.is_leaf():
+        return "*"
+    keep = issubclass(spec.type, _CONTEXT_IS_STRUCTURE) or pytree.is_namedtuple_class(spec.type)
+    context = f"{spec.context!r}" if keep else ""
+    return f"{spec.type.__qualname__}{context}({', '.join(_context_free(c) for c in spec.children())})"
 
 
 def _rendered(spec: pytree.TreeSpec, leaves: Iterator[str]) -> str:
@@ -344,8 +363,12 @@ def merge(
     batched: Mapping[str, bool] | None = None,
     output_merge: Mapping[str, str] | None = None,
     once: frozenset[str] = frozenset(),
+    own_loss: list[float] | None = None,
 ) -> Any:
     """Put micro-batch outputs (of the model's structure) back together.
+
+    own_loss: the weights of each micro-batch's ``loss`` output (a model's own scalar loss)
+    in the step's loss (its token counts' shares): that output is merged as their weighted sum.
 
     sizes: the micro-batch sizes ("mean" weights by them); batched: from
     :func:`batched_outputs`, at compile time; output_merge: ``Plan.output_merge``.
@@ -371,7 +394,9 @@ def merge(
     for column in zip(*flat):
         values = [leaf for _, leaf in column]
         path = path_of(column[0][0])
-        if path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
+        if own_loss is not None and path == "loss" and path not in output_merge and isinstance(values[0], torch.Tensor) and values[0].dim() == 0:
+            merged.append(sum(v.to(values[0].device) * w for v, w in zip(values, own_loss)))
+        elif path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
             merged.append(values[0])
         else:
             merged.append(_merge_leaf(path, values, sizes, batched, output_merge))
@@ -388,10 +413,13 @@ def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: 
             mode = "cat"
         elif len(values) > 1:
             known = "does not follow the batch" if path in batched else "was not known at compile time to follow the batch"
+            fit = "cat" if _rows_follow(values, sizes) else "mean"
+            others = ", ".join(repr(m) for m in ("cat", "stack", "sum", "mean") if m != fit)
             raise MicrobatchError(
                 f"{_label(path)} is a tensor of shape {tuple(first.shape)} whose dim 0 {known}, so fxpipe will not "
                 f"concatenate it over the {len(values)} micro-batches; say how to merge it: "
-                f"Plan(output_merge={{{path!r}: 'mean'}}) (or 'cat', 'stack', 'sum'; 'mean' weights micro-batches by size)"
+                f"Plan(output_merge={{{path!r}: {fit!r}}}) (or {others}; 'cat' joins rows that follow the micro-batches, "
+                "'mean' weights micro-batches by size)"
             )
     if mode is None:
         return first if all(_same(first, other) for other in values[1:]) else list(values)
@@ -407,6 +435,15 @@ def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: 
     if sizes is None:
         raise ValueError("merge: 'mean' needs the micro-batch sizes")
     return torch.stack([v * n for v, n in zip(values, sizes)]).sum(0) / sum(sizes)
+
+
+def _rows_follow(values: list[torch.Tensor], sizes: list[int] | None) -> bool:
+    """Whether every micro-batch's value has as many rows as its micro-batch has samples
+    (or a fixed multiple of them): a batch dim, which ``'cat'`` merges."""
+    if sizes is None or any(v.dim() == 0 for v in values) or any(n == 0 for n in sizes):
+        return False
+    ratios = {v.shape[0] / n for v, n in zip(values, sizes)}
+    return len(ratios) == 1 and next(iter(ratios)).is_integer() and next(iter(ratios)) >= 1
 
 
 def _same(a: Any, b: Any) -> bool:

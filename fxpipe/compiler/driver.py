@@ -20,7 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.batching import microbatch
-from fxpipe.batching.loss_scale import model_losses
+from fxpipe.batching.loss_scale import model_losses, rule_of
 from fxpipe.compiler.collector import collector_paused
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.compiler.progress import Progress
@@ -31,11 +31,12 @@ from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_grap
 from fxpipe.passes.fake_replay import replay
 from fxpipe.passes.generalise import KernelDtypeError, check_generalises, eager_on_fake
 from fxpipe.passes.input_slice import input_slice, output_inputs
+from fxpipe.passes.loss_terms import added_terms
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
 from fxpipe.passes.node_costs import annotate_costs
 from fxpipe.passes.partition import partition as partition_pass
 from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
-from fxpipe.passes.shape_prop import propagate_shapes, record_values
+from fxpipe.passes.shape_prop import propagate_shapes, real_runs, record_values
 from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import quiet_attempt, trace
 from fxpipe.passes.uncompiled import eager_code, without_compile_wrappers
@@ -364,13 +365,32 @@ def _cut(
             )
         )
     last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]
+    losses = model_losses(last, functools.partial(input_slice, gm))
     return Partitioned(
         plan, model_name, stages, cut, traced.frontend, traced.bind_inputs, traced.build_output,
         example_inputs, example_kwargs, list(traced.notes), workers,
         key=traced.key, key_of=traced.key_of, anchors=stage_anchors, calibration=calibration,
-        model_losses=model_losses(last, functools.partial(input_slice, gm)), output_inputs=output_inputs(gm),
-        opaque=list(traced.opaque),
+        model_losses=losses, output_inputs=output_inputs(gm),
+        opaque=list(traced.opaque), real_runs=real_runs(gm.graph),
+        loss_terms=own_loss_terms(gm, traced.build_output) if losses is not None else [],
     )
+
+
+def own_loss_terms(gm: Any, build_output: Callable[[Any], Any]) -> list[str]:
+    """The names of the terms a model's own loss (the output's ``loss``, or a scalar output)
+    adds beside its reduced loss calls, computed from the model's inputs: each is computed
+    per micro-batch (``fxpipe.passes.loss_terms``). [] when the loss is not found."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    try:
+        structured = build_output(output.args[0])
+    except Exception:  # noqa: BLE001 - an output that cannot hold graph nodes: nothing to name
+        return []
+    loss = getattr(structured, "loss", structured)
+    if not isinstance(loss, torch.fx.Node):
+        return []
+    names = {leaf: microbatch.path_of(path) for path, leaf in microbatch.leaves_with_paths(structured) if isinstance(leaf, torch.fx.Node)}
+    terms = added_terms(loss, lambda n: n.op == "call_function" and rule_of(n.target) is not None, names)
+    return [t.name for t in terms if t.from_inputs]
 
 
 def on_meta(model: nn.Module) -> bool:

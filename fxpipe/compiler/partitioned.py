@@ -54,7 +54,11 @@ class Partitioned:
     targets from the model's inputs (``fxpipe.batching.loss_scale.ModelLosses``), or None;
     output_inputs: per output leaf, the model inputs (flat positions) it depends on;
     opaque: the callees the fx frontend runs whole (``fxpipe.passes.opaque.OpaqueCallee``:
-    name, why, where fx stopped), listed by summary() and explain().
+    name, why, where fx stopped), listed by summary() and explain(); real_runs: the nodes
+    that could not run on fake tensors and ran for real at compile time
+    (``fxpipe.passes.shape_prop.RealRun``: node, module, target, why), listed there too;
+    loss_terms: the names of the terms a model's own loss adds beside its reduced loss
+    calls, computed from its inputs (a router's ``aux_loss``): computed per micro-batch.
     """
 
     plan: Plan
@@ -75,6 +79,8 @@ class Partitioned:
     model_losses: Any = None
     output_inputs: list[frozenset[int]] | None = None
     opaque: list[Any] = field(default_factory=list)
+    real_runs: list[Any] = field(default_factory=list)
+    loss_terms: list[str] = field(default_factory=list)
     # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
     profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -190,11 +196,22 @@ class Partitioned:
         return "\n".join(lines + self._opaque_lines())
 
     def _opaque_lines(self) -> list[str]:
-        """The callees run whole (fx could not trace into them), one line each with the reason."""
-        if not self.opaque:
-            return []
-        head = f"run whole (opaque: torch.fx could not trace into them): {len(self.opaque)}"
-        return [head] + [f"  {callee.describe()}" for callee in self.opaque]
+        """The callees run whole (fx could not trace into them), one line each with the reason;
+        then the nodes that ran for real at compile time, grouped by what they call and why."""
+        lines = []
+        if self.opaque:
+            lines.append(f"run whole (opaque: torch.fx could not trace into them): {len(self.opaque)}")
+            lines += [f"  {callee.describe()}" for callee in self.opaque]
+        if self.real_runs:
+            groups: dict[tuple[str, str], list[Any]] = {}
+            for run in self.real_runs:
+                groups.setdefault((run.target, run.why), []).append(run)
+            lines.append(f"ran for real at compile time (not on fake tensors): {len(self.real_runs)} node(s)")
+            for (target, why), runs in groups.items():
+                modules = list(dict.fromkeys(r.module or "(root)" for r in runs))
+                where = ", ".join(modules[:3]) + (f", … ({len(modules)} modules)" if len(modules) > 3 else "")
+                lines.append(f"  {len(runs)} x {target} in {where}: {why}")
+        return lines
 
     def explain(self) -> str:
         """Why each stage holds its nodes (tag, split point, cost model), the modules it

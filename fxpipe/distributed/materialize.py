@@ -13,8 +13,12 @@ its device and fills them from ``weights``:
 - a callable ``init(stage_module)`` run on each of this rank's stage modules;
 - ``None``: the model's own ``reset_parameters()`` on every submodule that has one.
 
-A real (non-meta) model is copied stage by stage the same way, so a rank never holds
-another stage's parameters beyond what the user's own model already holds.
+A real (non-meta) model's stage modules on this rank hold the model's own parameters and
+buffers, moved in place to the rank's device (as FSDP2 does): an optimizer built on
+``model.parameters()`` updates them, and the other stages' tensors stay where they are. A
+meta tensor cannot become real in place, so a model built on the meta device gets new
+tensors on the rank's stages (``pipe.parameters()`` lists them), and so does
+``Plan(fsdp=True)``, whose stages hold the parameters' shards.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.runtime.placement import copy_module
+from fxpipe.runtime.placement import copy_module, move_in_place
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike | Callable[[nn.Module], None] | None
 
@@ -143,29 +147,35 @@ def materialize(
     device: torch.device,
     weights: Weights,
     aliases: Mapping[str, list[str]],
+    own: bool = True,
 ) -> dict[int, nn.Module]:
     """Copies of this rank's stage modules with real tensors on ``device``.
 
     modules: stage index -> stage module (referencing the user's model, possibly on meta);
-    aliases: every name of each tensor of the model (tied weights have several).
+    aliases: every name of each tensor of the model (tied weights have several); own:
+    whether the copies hold the model's own (real) tensors, moved in place, or copies of
+    them (FSDP replaces the parameters by their shards: the model's own, moved, would
+    keep whole copies on the device).
     Tensors shared between the stages stay shared. Raises MaterializeError naming the
     stage and tensor that no checkpoint entry or ``reset_parameters`` fills.
     """
     memo: dict[int, Any] = {}
-    copies = {s: copy_module(m, memo) for s, m in modules.items()}  # generated code shared
-    created: dict[int, torch.Tensor] = {}
     fresh: dict[int, tuple[int, str]] = {}  # id of allocated-from-meta tensor -> (stage, name)
-    for s, module in copies.items():
+    for s, module in modules.items():
         for path, sub in module.named_modules():
             for slot in (sub._parameters, sub._buffers):
-                for name, tensor in list(slot.items()):
-                    if tensor is None:
+                for name, tensor in slot.items():
+                    if tensor is None or id(tensor) in memo:
                         continue
-                    if id(tensor) not in created:
-                        created[id(tensor)] = _on_device(tensor, device)
-                        if tensor.is_meta:
-                            fresh[id(created[id(tensor)])] = (s, f"{path}.{name}" if path else name)
-                    slot[name] = created[id(tensor)]
+                    if tensor.is_meta:
+                        memo[id(tensor)] = _allocated(tensor, device)
+                        fresh[id(memo[id(tensor)])] = (s, f"{path}.{name}" if path else name)
+                    elif own:
+                        move_in_place(tensor, device)
+                        memo[id(tensor)] = tensor  # the model's own object
+                    else:
+                        memo[id(tensor)] = _copied(tensor, device)
+    copies = {s: copy_module(m, memo) for s, m in modules.items()}  # generated code shared
     source = open_weights(weights)
     if callable(source) and not isinstance(source, Mapping):
         with torch.no_grad():
@@ -180,8 +190,15 @@ def materialize(
     return copies
 
 
-def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    data = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.detach().to(device)
+def _allocated(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return _as_kind_of(tensor, torch.empty_like(tensor, device=device))
+
+
+def _copied(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return _as_kind_of(tensor, tensor.detach().to(device))
+
+
+def _as_kind_of(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(data, requires_grad=tensor.requires_grad)
     return data

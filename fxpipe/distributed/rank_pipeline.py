@@ -89,18 +89,26 @@ class DistributedPipeline(PipelineBase):
             self.device = rank_device(part.stages[layout.my_stages[0]].device)
             self.watchdog.running("loading its stages' weights")
             aliases = alias_groups(model)
-            modules = materialize({s: part.stages[s].module for s in layout.my_stages}, self.device, weights, aliases)
+            traced_as = skeleton(model)  # the fake runs put their tensors where the model's were when traced
+            modules = materialize({s: part.stages[s].module for s in layout.my_stages}, self.device, weights, aliases, own=not plan.fsdp)
             startup.check_same_plan(self.watchdog, startup.plan_parts(part, layout), startup.plan_summary(part, layout))
         # every rank compiled the same plan and holds its stages: connect them
         try:
-            self._connect(part, model, compiler, loss_fn, modules, aliases)
+            self._connect(part, model, traced_as, compiler, loss_fn, modules, aliases)
         except RankFailedError:
             raise
         except Exception as err:  # a peer that died during set-up breaks the collectives
             raise self.watchdog.lost(err, [r for r in range(layout.world) if r != layout.rank]) from err
 
     def _connect(
-        self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any, modules: dict[int, nn.Module], aliases: dict[str, list[str]]
+        self,
+        part: Partitioned,
+        model: nn.Module,
+        traced_as: nn.Module,
+        compiler: Compiler,
+        loss_fn: Any,
+        modules: dict[int, nn.Module],
+        aliases: dict[str, list[str]],
     ) -> None:
         """Set-up across ranks: the process group, the mesh, tied weights, replicas' weights."""
         plan, layout = part.plan, self.layout
@@ -122,7 +130,7 @@ class DistributedPipeline(PipelineBase):
             dataclasses.replace(st, module=modules[st.index] if st.index in modules else self._skeletons[st.index])
             for st in part.stages
         ]
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler, model)
         self._modules = [modules[s] for s in self.local_stages]
         self._params, self._state = model_names(model, held_tensors(self._modules, aliases), aliases)
         self._partial_state = True

@@ -65,9 +65,10 @@ def join(timeout: float) -> Watchdog:
     try:
         if host != rank:
             _reachable(address, port, timeout)
+        listen = {"master_listen_fd": _listening_socket(address, port), "use_libuv": True} if host == rank else {}
         store = dist.TCPStore(
             address, port, world, is_master=host == rank, timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False, multi_tenant=True,
+            wait_for_workers=False, multi_tenant=True, **listen,
         )
     except Exception as err:  # noqa: BLE001 - DistNetworkError/DistStoreError/RuntimeError by version
         if host == rank:
@@ -79,6 +80,15 @@ def join(timeout: float) -> Watchdog:
             host,
         ) from err
     return Watchdog(store, prefix, rank, world, timeout, store_host=host)
+
+
+def _listening_socket(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only, for the store rank 0 hosts (given no
+    socket, ``TCPStore`` listens on every interface whatever its host says); returns its
+    file descriptor, which the store then owns. Raises OSError when ``address`` is not
+    this machine's or the port is taken."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(sockaddr[:2], family=family).detach()
 
 
 def _reachable(address: str, port: int, timeout: float) -> None:

@@ -1,6 +1,7 @@
 """``Pipeline``: a compiled model whose stages sit on this machine's devices.
 
-Stage modules are placed as copies (see :mod:`fxpipe.runtime.placement`); a
+Stage modules are placed as copies holding the model's own parameters and buffers (see
+:mod:`fxpipe.runtime.placement`); a
 :class:`~fxpipe.runtime.local.LocalExecutor` runs them on the plan's schedule, one thread
 per pipeline worker. A call with another input signature (another sequence length under
 torch.export, another None pattern) is traced and cut again once, at the same stage
@@ -21,7 +22,7 @@ from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.interpret import Step
 from fxpipe.runtime.local import LocalExecutor
 from fxpipe.runtime.pipeline_base import Batch, Compiler, PipelineBase, Program
-from fxpipe.runtime.placement import place
+from fxpipe.runtime.placement import place, skeleton
 from fxpipe.runtime.runner import make_runner
 from fxpipe.schedules import describe_schedule
 
@@ -33,15 +34,18 @@ class Pipeline(PipelineBase):
     """A model split into stages on devices. See ``fxpipe.compile``.
 
     Attributes: stages (Stage list, modules on their devices), graph (the partitioned
-    fx.Graph with send/recv nodes), plan, frontend.
+    fx.Graph with send/recv nodes), plan, frontend. ``own``: the stages hold the model's
+    own tensors (moved in place); otherwise copies of them (the model is left unchanged).
     """
 
-    def __init__(self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any = None) -> None:
-        self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model)
+    def __init__(self, part: Partitioned, model: nn.Module, compiler: Compiler, loss_fn: Any = None, own: bool = True) -> None:
+        # the fake runs put their tensors where the model's were when it was traced
+        traced_as = skeleton(model)
+        self._placement = place([s.module for s in part.stages], [s.device for s in part.stages], model, own)
         self.stages = [dataclasses.replace(s, module=m) for s, m in zip(part.stages, self._placement.modules)]
-        # from here on the partition describes the placed stages: nothing in the pipeline
-        # refers to the user's modules, which can be freed
-        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, model, compiler)
+        # from here on the partition describes the placed stages: the pipeline refers to
+        # the model's tensors, not to its modules
+        self._setup(dataclasses.replace(part, stages=self.stages), loss_fn, traced_as, compiler, model)
         self._params, self._state = self._placement.params, self._placement.state
         self._modules = self._placement.modules
         self._executor = LocalExecutor(self.plan.timeout)

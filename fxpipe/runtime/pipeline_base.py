@@ -26,6 +26,7 @@ from fxpipe.batching import loss_scale, microbatch
 from fxpipe.batching.microbatch import LossFunctionError, MicrobatchError
 from fxpipe.inspection.memory_report import MemoryReport, memory_report
 from fxpipe.inspection.views import PipelineViews
+from fxpipe.runtime.attributes import AttributeGuard
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.inputs import InputCheck
 from fxpipe.runtime.interpret import ActionHook
@@ -42,8 +43,8 @@ class Compiler:
 
     retrace(first, model, args, kwargs, roots_for): the Partitioned of another input
     signature, cut like ``first`` (``fxpipe.compiler.driver.partition_like``; roots_for(s): the
-    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs):
-    which tensor outputs follow the batch, asked on fake tensors
+    modules holding stage s's placed parameters). batched_outputs(model, args, kwargs, part):
+    which tensor outputs follow the batch, from the call's program ``part`` replayed on fake tensors
     (``fxpipe.batching.batched_outputs``). fake_replay(): a runner of stage modules on fake tensors
     (``FakeReplay(device="cpu")``), with which a distributed pipeline derives edge specs.
     output_like(model, args, kwargs): the model's output for a call as meta tensors, from
@@ -55,7 +56,7 @@ class Compiler:
     """
 
     retrace: Callable[[Any, nn.Module, tuple, dict, Callable[[int], list[nn.Module]]], Any]
-    batched_outputs: Callable[[nn.Module, tuple, dict], dict[str, bool]]
+    batched_outputs: Callable[[nn.Module, tuple, dict, Any], dict[str, bool]]
     fake_replay: Callable[[], Any]
     output_like: Callable[[nn.Module, tuple, dict], Any]
     check_call: Callable[[nn.Module, tuple, dict], None]
@@ -90,7 +91,8 @@ class Batch:
     own); listed: the caller passed the micro-batches as a list, ``calls`` holding each
     one's (args, kwargs); whole / call: the flat inputs before the cut and the call's own
     arguments (a batch that was cut); step: every replica's (inputs, target, size) as far
-    as this process knows them (a listed step: this replica's).
+    as this process knows them (a listed step: this replica's); baked: why a stage may fail
+    on these micro-batches' sizes (:func:`_baked_batch`), or "".
     """
 
     inputs: list[list]
@@ -103,6 +105,7 @@ class Batch:
     programs: list[Program] = field(default_factory=list)
     step: list[tuple[list, Any, int]] = field(default_factory=list)
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
+    baked: str = ""
 
     @property
     def listed(self) -> bool:
@@ -195,18 +198,65 @@ def _with_signature_context(err: Exception, compiled: Any, call: Any) -> Excepti
 
 def _check_same_edges(programs: list[Program]) -> None:
     """Raise MicrobatchError when two micro-batches' programs cross the stages on other
-    edges: one step's messages and hand-offs are planned on one set of edges."""
+    edges: one step's messages and hand-offs are planned on one set of edges. The message
+    names the values one program's stages receive and the other's do not, and the fix:
+    another frontend when only sizes differ, steps of their own when a Python value (a
+    constant, a pytree class's context) changed what the stages exchange."""
     def edges(program: Program) -> tuple:
         return tuple(program.part.edge_ends), tuple((tuple(s.recv_ids), tuple(s.send_ids)) for s in program.part.stages)
 
     first = edges(programs[0])
     for i, program in enumerate(programs):
         if program is not programs[0] and edges(program) != first:
-            raise MicrobatchError(
-                f"micro-batch {i}'s input signature ({program.part.key.brief()}) was traced into stages that exchange "
-                f"other values than micro-batch 0's ({programs[0].part.key.brief()}), so they cannot run in one step; "
-                "run them in steps of their own, or trace once for every size (Plan(frontend='fx'))"
+            mine, theirs = programs[0].part, program.part
+            fix = (
+                "trace once for every size (Plan(frontend='fx'))"
+                if _sizes_only(mine.key, theirs.key)
+                else "a Python value of the call (a constant, a pytree class's context) changes which values cross the stages"
             )
+            raise MicrobatchError(
+                f"micro-batch {i}'s input signature ({theirs.key.brief()}) was traced into stages that exchange "
+                f"other values than micro-batch 0's ({mine.key.brief()}; {_received_difference(mine, theirs, i)}), so they "
+                f"cannot run in one step: {fix}; run them in steps of their own"
+            )
+
+
+def _baked_batch(program: Program, batch: int | None, sizes: list[int]) -> str:
+    """Why ``program``'s stages may fail on micro-batches of ``sizes``: its trace holds the
+    call's ``batch`` size (dim 0 of its first tensor; torch.export could not keep it
+    symbolic and traced every size as the example's) and a micro-batch has another size.
+    "" when the trace does not hold it. Said only if a stage fails: a program with no
+    shape baked into an operation still runs."""
+    key = program.part.key
+    shapes = [d.shape for _, _, leaves in (key.arguments if key is not None else ()) for d in leaves if getattr(d, "shape", None)]
+    traced = shapes[0][0] if shapes else None
+    if traced is None or traced != batch or all(n == traced for n in sizes):
+        return ""
+    why = [n for n in program.part.notes if "specialised the batch" in n]
+    return (
+        f"the program of {key.brief()} was traced with the batch size fixed at {traced}"
+        f"{' (' + why[0] + ')' if why else ''}, and runs micro-batches of {sorted(set(sizes))} rows: "
+        "make torch.export keep dim 0 symbolic (what it specialised on is named above), trace with Plan(frontend='fx'), "
+        f"or pass batches that cut into micro-batches of {traced} rows"
+    )
+
+
+def _received_difference(first: Any, other: Any, i: int) -> str:
+    """Which values a stage receives under one partition and not the other, by name."""
+    def received(part: Any) -> set[tuple[int, str]]:
+        return {(s.index, e.name) for s in part.stages for e in s.inputs}
+
+    only = [(received(first) - received(other), "0"), (received(other) - received(first), str(i))]
+    said = [f"stage {s} receives {name} for micro-batch {k} only" for names, k in only for s, name in sorted(names)]
+    return ", ".join(said) or "the same values, on other edges or in another order"
+
+
+def _sizes_only(first: Any, other: Any) -> bool:
+    """Whether two trace keys differ in tensor sizes only (the fx frontend's program is one for every size)."""
+    def sizeless(key: Any) -> tuple:
+        return tuple((n, s, tuple(getattr(d, "dtype", d) for d in leaves)) for n, s, leaves in key.arguments)
+
+    return first is not None and other is not None and sizeless(first) == sizeless(other)
 
 
 def _shape_of(value: Any) -> list[int] | str:
@@ -237,7 +287,9 @@ class PipelineBase(PipelineViews):
     replicas = 1
     replica = 0
 
-    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler) -> None:
+    def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler, watched: nn.Module) -> None:
+        """``model``: a skeleton of the model as it was traced; ``watched``: the user's model,
+        whose plain attributes every call holds to their compile-time values."""
         self.part = part
         self._compiler = compiler
         self.plan = part.plan
@@ -248,6 +300,7 @@ class PipelineBase(PipelineViews):
         # outputs follow the batch is asked of it on fake tensors
         self._model = skeleton(model)
         self._check_inputs = InputCheck(self._model, (tuple(part.example_inputs), dict(part.example_kwargs)), compiler.check_call)
+        self._attributes = AttributeGuard(watched)
         self._batched: dict[tuple, dict[str, bool]] = {}
         self._outputs_like: dict[tuple, Any] = {}  # a listed step's outputs as meta tensors, per input shapes
         self._programs: dict[Any, Program] = {}
@@ -332,13 +385,16 @@ class PipelineBase(PipelineViews):
         state = {index: held_state(module) for index, module in modules.items()}
         return memory_report(part, sizes, step, state, describe_schedule(self.plan.schedule), inputs)
 
-    def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any) -> Batch:
-        """This process's micro-batches of a call: the batch cut (:meth:`_split`), or the
-        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is given."""
+    def _batch(self, args: tuple, kwargs: dict, target: Any, microbatches: Any, targets: Any, forward_only: bool = False) -> Batch:
+        """This process's micro-batches of a call: the batch cut (:meth:`_split`; a forward
+        of a batch smaller than ``Plan.microbatches`` runs one micro-batch per sample), or the
+        caller's list (:meth:`_listed`). Raises MicrobatchError when both or neither kind is
+        given, AttributeChangedError when an attribute of the model changed after compile."""
+        self._attributes.check()
         if microbatches is None:
             if targets is not None:
                 raise MicrobatchError("targets=[...] goes with microbatches=[...]; a batch's target is passed as target=")
-            return self._split(args, kwargs, target)
+            return self._split(args, kwargs, target, self._forward_count(args, kwargs) if forward_only else self.plan.microbatches)
         if args or kwargs or target is not None:
             raise MicrobatchError(
                 "pass either one batch's arguments (cut into Plan.microbatches micro-batches) or microbatches=[...], not "
@@ -346,11 +402,19 @@ class PipelineBase(PipelineViews):
             )
         return self._listed(microbatches, targets)
 
-    def _split(self, args: tuple, kwargs: dict, target: Any) -> Batch:
+    def _forward_count(self, args: tuple, kwargs: dict) -> int:
+        """How many micro-batches a forward of this call runs: ``Plan.microbatches``, or as
+        many as each replica has samples when that is fewer (eval at batch 1)."""
+        n = microbatch.batch_size((args, kwargs))
+        if n is None or n >= self.plan.microbatches * self.replicas:
+            return self.plan.microbatches
+        return max(1, n // self.replicas)
+
+    def _split(self, args: tuple, kwargs: dict, target: Any, m: int) -> Batch:
         """This process's micro-batches of a call (its replica's shard under data parallelism),
-        with the compiled stages of the call's signature; ``Batch.step`` holds every
-        replica's micro-batches (for the step's loss counts)."""
-        microbatch.check_cuttable((args, kwargs), self.plan.microbatches * self.replicas)
+        cut into ``m`` per replica, with the compiled stages of the call's signature;
+        ``Batch.step`` holds every replica's micro-batches (for the step's loss counts)."""
+        microbatch.check_cuttable((args, kwargs), m * self.replicas)
         self._check_inputs(args, kwargs)
         program = self._program(args, kwargs)
         flat = program.part.bind_inputs(args, kwargs)
@@ -359,11 +423,12 @@ class PipelineBase(PipelineViews):
         if self.replicas > 1:
             pieces, targets, _ = microbatch.split_step(flat, target, self.replicas)
             shards = list(zip(pieces, targets))
-        cuts = [microbatch.split_step(f, t, self.plan.microbatches) for f, t in shards]
+        cuts = [microbatch.split_step(f, t, m) for f, t in shards]
         inputs, targets, sizes = cuts[self.replica]
         first = self.replica * len(inputs)
         batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
         batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
+        batch.baked = _baked_batch(program, microbatch.batch_size(flat), sizes)
         return batch
 
     def _listed(self, entries: Any, targets: Any) -> Batch:
@@ -392,9 +457,9 @@ class PipelineBase(PipelineViews):
         grad mode is on, so ``pipe(x).sum().backward()`` works too (not pipelined; use
         ``step`` for a scheduled backward).
         """
-        batch = self._batch(args, kwargs, None, microbatches, None)
+        batch = self._batch(args, kwargs, None, microbatches, None, forward_only=True)
         ctx = StepContext.capture(train=False, microbatch_base=batch.first, random=self._random)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         return self._output(batch, ctx)
 
     forward = __call__
@@ -425,6 +490,8 @@ class PipelineBase(PipelineViews):
         loss_fn = loss_fn or self.loss_fn
         batch = self._batch(args, kwargs, target, microbatches, targets)
         self._check_loss_call(loss_fn, batch)
+        if loss_fn is None:
+            self._warn_per_microbatch_terms(batch)
         counts = self._step_counts(loss_fn, batch) if self._holds_last() else None
         loss_of = self._loss_function(loss_fn, batch, counts)
         wanted = batch.input_gradient_leaves()
@@ -436,7 +503,7 @@ class PipelineBase(PipelineViews):
         # measured in the first step of each signature (of each listed micro-batch) and micro-batch count only
         measured = (tuple(id(p) for p in batch.programs), len(batch.inputs))
         ctx.memory = StepMemory.start((r.device for r in runners.values()), measured not in self._measured)
-        self._execute(batch, ctx)
+        self._run(batch, ctx)
         batch.backward_inputs(wanted)
         if ctx.memory.measured:
             self._measured.add(measured)
@@ -538,6 +605,23 @@ class PipelineBase(PipelineViews):
         """The step's samples and counts from this replica's (one process: its own)."""
         return total, counts
 
+    def _warn_per_microbatch_terms(self, batch: Batch) -> None:
+        """Warn once when the model's own loss adds terms computed per micro-batch (a MoE
+        router's load balancing): they are not the full batch's (docs/training-loop.md)."""
+        terms = sorted({t for p in batch.programs for t in p.part.loss_terms})
+        if not terms or len(batch.inputs) * self.replicas < 2 or getattr(self, "_terms_warned", False):
+            return
+        self._terms_warned = True
+        names = ", ".join(repr(t) for t in terms)
+        warnings.warn(
+            f"fxpipe: {type(self._model).__name__}'s own loss adds {names} beside its token-mean loss; that term is "
+            "computed per micro-batch, over the micro-batch's own statistics, and weighted by the micro-batch's share "
+            "of the samples: a term that is not a mean over tokens or samples (MoE load balancing) does not add up to "
+            "its full-batch value, so the step's loss and gradients equal eager's accumulated over the same "
+            "micro-batches, not one full-batch step. See docs/training-loop.md, 'Loss terms computed per micro-batch'",
+            stacklevel=3,
+        )
+
     def _warn_normalisation(self, err: BaseException) -> None:
         if not getattr(self, "_normalisation_warned", False):
             self._normalisation_warned = True
@@ -561,10 +645,37 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
-            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs)
+            self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs, batch.program.part)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
-        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once)
+        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once, self._own_loss_weights(batch))
+
+    def _own_loss_weights(self, batch: Batch) -> list[float] | None:
+        """Each micro-batch's weight in the model's own loss as ``step`` weighs it: its share
+        of the step's count for one mean-reduced loss call (token counts: padding and
+        ``ignore_index`` left out), else its share of the samples. None without such a loss."""
+        losses = batch.program.part.model_losses
+        if losses is None:
+            return None
+        by_samples = [n / sum(batch.sizes) for n in batch.sizes]
+        try:
+            parts = [losses.count(flat) for flat in batch.inputs]
+        except Exception:  # noqa: BLE001 - not countable: the samples' shares, as step() falls back to
+            return by_samples
+        if batch.program.part.loss_terms or any(reductions != ["mean"] for reductions, _ in parts):
+            return by_samples
+        total = sum(counts[0] for _, counts in parts)
+        return [counts[0] / total for _, counts in parts] if total > 0 else by_samples
+
+    def _run(self, batch: Batch, ctx: StepContext) -> None:
+        """Execute the batch; a failure of micro-batches whose sizes the program did not
+        trace (``Batch.baked``) is a MicrobatchError saying so, with the stage's error."""
+        try:
+            self._execute(batch, ctx)
+        except Exception as err:
+            if not batch.baked:
+                raise
+            raise MicrobatchError(f"{batch.baked}. A stage failed on them: {err}") from err
 
     def _execute(self, batch: Batch, ctx: StepContext) -> None:
         raise NotImplementedError

@@ -1,13 +1,18 @@
-"""Placement: copy each stage's modules onto its device, keeping tied weights tied.
+"""Placement: each stage's modules on its device, holding the model's own tensors.
 
-Stages on the same (logical) device share one copy of any parameter they both use (one
-``copy.deepcopy`` memo per device), so autograd sums the uses' gradients exactly as
-eager does. A copy runs the stage module's generated ``forward`` (an instance of the same
-class): its graph is copied, its code is not generated again. A parameter used by stages
-on different devices is held once per device: the copy in the earliest stage is the
-*primary* (the one ``pipe.parameters()`` lists and the optimizer updates); before each run
-the others are refreshed from it, and after backward their gradients are added into the
-primary's. The user's model is never modified or moved.
+The stage modules are copies of the model's modules (an instance of the same class, its
+graph copied and its generated code shared), but the parameters and buffers they hold
+are the model's own objects, moved in place (``param.data = param.data.to(device)``) to
+the device of the earliest stage that uses them, as FSDP2 does. So an optimizer built on
+``model.parameters()`` updates what the pipeline reads, and an in-place edit of the
+model's weights is seen by the next step; the model's module structure is left as it was.
+
+A tensor used by stages on different (logical) devices is held once per device: the
+model's own one on the earliest stage's device is the *primary* (the one
+``pipe.parameters()`` lists and the optimizer updates); the other devices hold copies
+(*replicas*), refreshed from it before each run, their gradients added into the primary's
+after backward. Stages on one device share one copy of anything they both use, so
+autograd sums the uses' gradients exactly as eager does.
 """
 
 from __future__ import annotations
@@ -89,22 +94,54 @@ def alias_groups(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module) -> Placement:
-    """Copy stage modules to their logical devices and map the model's names onto the copies.
+def place(modules: list[fx.GraphModule], devices: list[str], model: nn.Module, own: bool = True) -> Placement:
+    """Stage modules on their logical devices, holding the model's own tensors, and the
+    model's names mapped onto them.
 
+    Each parameter and buffer is moved in place to the device of the first stage that
+    uses it and shared by every stage on that device; stages on other devices get a copy.
+    With ``own=False`` every device gets copies and the model is left as it was.
     Logical CPU devices ("cpu:0", "cpu:1") are distinct here: each holds its own copy of a
     weight tied across them, as two GPUs would.
     """
     memos: dict[str, dict] = defaultdict(dict)
+    claimed: set[int] = set()
     placed: list[fx.GraphModule] = []
     for module, device in zip(modules, devices):
+        target = torch_device(device)
+        for tensor in _distinct_tensors(module):
+            if own and id(tensor) not in claimed:
+                claimed.add(id(tensor))
+                move_in_place(tensor, target)
+                memos[device][id(tensor)] = tensor  # the copy holds the model's own object
         clone = copy_stage_module(module, memos[device])
-        placed.append(clone.to(torch_device(device)))
+        placed.append(clone.to(target))  # moves only the copies made for this device
     aliases = alias_groups(model)
     copies = held_tensors(placed, aliases)
     tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in copies.items() if len(ts) > 1]
     params, state = model_names(model, copies, aliases)
     return Placement(placed, params, state, tied)
+
+
+def _distinct_tensors(module: nn.Module) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for _, tensor in _named_tensors(module):
+        seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
+    """Move ``tensor`` (a parameter or buffer) and its gradient to ``device``, keeping the
+    object: whoever holds it (the user's model, an optimizer) sees the move."""
+    if tensor.device == device:
+        return
+    with torch.no_grad():
+        grad = tensor.grad
+        if grad is not None:
+            tensor.grad = None
+        tensor.data = tensor.data.to(device)
+        if grad is not None:
+            tensor.grad = grad.to(device)
 
 
 def copy_stage_module(module: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
