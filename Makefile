@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu test-llm test-slow lint bench bench-gpu faults soak docs clean install
+.PHONY: demo test test-compile test-gpu test-llm test-slow lint bench bench-gpu faults soak docs clean install
 
 install: $(STAMP)
 
@@ -29,6 +29,12 @@ test: $(STAMP)
 	$(BIN)/ruff check fxpipe passes tests examples
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
 
+# compiled stages (Plan(compile=True)) against eager stages over every schedule x float64 /
+# float32 x recompute (tests/test_compiled.py's compile_grid) and the compiled-stages benchmark's
+# --quick run (Inductor: about 4 minutes on 2 cores)
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m compile_grid tests/test_compiled.py tests/test_benchmarks.py
+
 # the GPU path (CPU+cuda:0 stages, own streams, bf16, NCCL with 2 GPUs); skips without CUDA
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or GPU"
@@ -50,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/executor_overhead.py
 	$(BIN)/python examples/benchmarks/autosplit.py --plot docs/img/tune-sweep.png
 	$(BIN)/python examples/benchmarks/compile.py
+	$(BIN)/python examples/benchmarks/compiled.py
 	$(BIN)/python examples/benchmarks/distributed.py
 	$(BIN)/python examples/benchmarks/numerics.py
 	$(BIN)/python examples/benchmarks/rng_overhead.py

@@ -25,6 +25,7 @@ from fxpipe.compiler.driver import CompileError, on_meta, partition, partition_l
 from fxpipe.compiler.partitioned import Partitioned
 from fxpipe.devices import check_available
 from fxpipe.passes.fake_replay import FakeReplay
+from fxpipe.passes.uncompiled import without_compile_wrappers
 from fxpipe.plan import Plan, PlanError
 from fxpipe.planner.profile import Profile
 from fxpipe.runtime.local_pipeline import Pipeline
@@ -72,6 +73,7 @@ def compile(  # noqa: A001 - the public name is fxpipe.compile
     check_weights_apply(weights, distributed)
     plan = Plan.coerce(plan)
     check_loss_fn(loss_fn)
+    model = _traced_through(model, plan)
     with collector_paused():  # over the whole compile: one collection after it, not one per phase
         if distributed:
             return _compile_distributed(model, plan, example_inputs, example_kwargs, loss_fn, profile, weights)
@@ -109,6 +111,24 @@ def _compile_distributed(
         watchdog.running("compiling")
         part = partition(model, plan, example_inputs, example_kwargs, profile)
     return DistributedPipeline(part, model, COMPILER, loss_fn, weights=weights, watchdog=watchdog)
+
+
+def _traced_through(model: Any, plan: Plan) -> Any:
+    """The model fxpipe compiles: the user's, its ``torch.compile`` wrappers seen through
+    (``fxpipe.passes.uncompiled``). The user's compiled code is not what the stages run:
+    without ``Plan(compile=...)`` they run eager, which a warning says once."""
+    if not isinstance(model, nn.Module):
+        return model
+    view, compiled = without_compile_wrappers(model)
+    if compiled and not plan.compile:
+        names = ", ".join(path or f"the model ({type(model).__name__})" for path in compiled)
+        warnings.warn(
+            f"fxpipe traced through torch.compile on {names}: its stages are built from the original code and run "
+            "eager; pass Plan(compile=True) to run every stage compiled (see docs/compiled.md)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return view
 
 
 def check_loss_fn(loss_fn: Any) -> None:

@@ -26,6 +26,8 @@ FRONTENDS = ("auto", "fx", "export")
 # what a stage may keep for backward: everything, its inputs only (recompute), or the
 # outputs of its costly ops ("selective")
 RECOMPUTE = (False, True, "selective")
+# the torch.compile keyword arguments Plan(compile={...}) passes on for each stage
+COMPILE_OPTIONS = ("mode", "dynamic", "options", "backend", "fullgraph")
 
 
 def is_recompute(value: object) -> bool:
@@ -115,6 +117,10 @@ class Plan:
         auxiliary loss, per-layer statistics) over the micro-batches, by its path in the
         model's return value ("1", "aux", "0.aux"): "cat", "stack", "sum", or "mean"
         (weighted by micro-batch size, so a mean-reduced loss equals its full-batch value).
+    compile: run each stage's forward and backward as code compiled from fxpipe's own
+        stage graph (``torch.compile`` of the stage module: Dynamo, AOTAutograd, Inductor):
+        False (eager stages), True, or a dict of ``torch.compile`` keyword options
+        (``mode``, ``dynamic``, ``options``, ``backend``, ``fullgraph``). See docs/compiled.md.
     """
 
     devices: Sequence[str] | None = None
@@ -134,6 +140,7 @@ class Plan:
     concrete_args: Mapping[str, Any] | None = None
     output_merge: Mapping[str, str] = field(default_factory=dict)
     offload: bool | str = False
+    compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
         self._check_containers()
@@ -166,6 +173,7 @@ class Plan:
             except ScheduleError as err:
                 raise PlanScheduleError(f"plan.schedule = {self.schedule!r} with plan.chunks = {self.chunks}: {err}") from None
         self._check_memory_fields()
+        self._check_compile()
         if self.frontend not in FRONTENDS:
             raise PlanError(f"plan.frontend = {self.frontend!r}: choose one of {', '.join(FRONTENDS)}")
         self.device_specs = {normalize_device(k, f"plan.device_specs[{k!r}]"): v for k, v in dict(self.device_specs).items()}
@@ -222,6 +230,22 @@ class Plan:
             )
         if not (isinstance(self.offload, bool) or self.offload == "auto"):
             raise PlanError(f"plan.offload = {self.offload!r}: use False, True or 'auto'")
+
+    def _check_compile(self) -> None:
+        """``compile``: a bool, or a dict of ``torch.compile`` keyword options (copied)."""
+        if isinstance(self.compile, bool):
+            return
+        if not isinstance(self.compile, Mapping):
+            raise PlanError(
+                f"plan.compile = {self.compile!r} ({type(self.compile).__name__}): use False, True, or a dict of "
+                f"torch.compile options such as {{'mode': 'max-autotune-no-cudagraphs'}} (keys: {', '.join(COMPILE_OPTIONS)})"
+            )
+        unknown = sorted(k for k in self.compile if k not in COMPILE_OPTIONS)
+        if unknown:
+            raise PlanError(f"plan.compile has unknown option(s) {unknown}: torch.compile options fxpipe passes on are {', '.join(COMPILE_OPTIONS)}")
+        if "options" in self.compile and "mode" in self.compile and self.compile["mode"] is not None and self.compile["options"] is not None:
+            raise PlanError("plan.compile gives both 'mode' and 'options', which torch.compile refuses together: put the mode's settings in 'options'")
+        self.compile = dict(self.compile)
 
     def _check_sharding(self) -> None:
         if not isinstance(self.fsdp, bool):

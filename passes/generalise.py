@@ -37,6 +37,7 @@ from fxpipe.passes.moves import MovesIgnored
 from fxpipe.passes.shape_prop import describe, propagate_shapes
 from fxpipe.passes.trace_errors import user_line
 from fxpipe.passes.traced import Traced, TraceError
+from fxpipe.passes.uncompiled import eager_code
 
 
 class TraceMismatch(TraceError):
@@ -109,7 +110,7 @@ def eager_on_fake(
     args, kwargs = bound.args, bound.kwargs
     devices = dict(devices or {})
     # real tensors the forward makes itself (constants, plain attributes) are allowed in
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True):
+    with torch.random.fork_rng(devices=[]), eager_code(), FakeTensorMode(allow_non_fake_inputs=True):
         state = {
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),

@@ -17,6 +17,14 @@ from fxpipe.batching.microbatch import split_sizes
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One temporary Inductor cache for the session (and the subprocesses it starts): the
+    tests' compiled stages share it, and nothing is left in the user's cache."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+
+
 def eager_microbatch_step(model: nn.Module, inputs: tuple, target: Any, loss_fn: Callable, m: int) -> torch.Tensor:
     """Eager gradient accumulation over the same micro-batches the pipeline uses."""
     n = inputs[0].shape[0]

@@ -90,3 +90,16 @@ def test_data_parallel_benchmark_prints_sharded_bytes_under_the_goal_and_every_v
     assert largest and float(largest.group(1)) <= 0.55, out
     for variant in ("all-reduce (fsdp=False)", "replicate()", "fsdp=True, kept gathered", "fsdp=True, freed after each action"):
         assert re.search(rf"{re.escape(variant)}\s+\d+(\.\d+)? m?s\s+\d+\.\d+x", out), (variant, out)
+
+
+@pytest.mark.compile_grid  # three Inductor compiles: make test-compile, beside the grid
+@pytest.mark.timeout(600)
+def test_compiled_benchmark_times_eager_and_compiled_stages_and_loops_and_prints_both_ratios() -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "compiled.py"), "--quick"], capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for variant in ("fxpipe eager stages", "fxpipe compile=True", "eager loop", "torch.compile loop"):
+        row = next(line for line in out.splitlines() if line.startswith(variant))
+        assert float(row.split()[-2]) > 0, row
+    assert re.search(r"compiled/eager: fxpipe \(2\)/\(1\) \d+\.\d+x  loop \(4\)/\(3\) \d+\.\d+x", out), out
+    assert re.search(r"stage 0: \d+ graph\(s\) compiled in \d+\.\d s; .*stage 1: \d+ graph\(s\) compiled", out), out

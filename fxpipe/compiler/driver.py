@@ -39,6 +39,7 @@ from fxpipe.passes.rng import make_randomness_explicit, number_random_ops
 from fxpipe.passes.shape_prop import propagate_shapes, real_runs, record_values
 from fxpipe.passes.targets import lookup, resolver
 from fxpipe.passes.trace import quiet_attempt, trace
+from fxpipe.passes.uncompiled import eager_code, without_compile_wrappers
 from fxpipe.passes.weight_grad import defer_weight_gradients
 from fxpipe.plan import Plan, PlanError
 from fxpipe.planner.auto_split import auto_split
@@ -87,9 +88,14 @@ def partition(
     model cannot be traced, PlanError/AnnotateError/ScheduleError when the plan cannot be
     honoured (the message names the field, node or module at fault). A compile longer
     than 2 s reports its progress on one line of stderr (``fxpipe.compiler.progress``); Python's
-    garbage collector is paused while it runs (``fxpipe.compiler.collector``).
+    garbage collector is paused while it runs (``fxpipe.compiler.collector``). A model or
+    submodules compiled by the user (``torch.compile``, ``Module.compile``) are traced as
+    their original code, under their own names (``fxpipe.passes.uncompiled``); no compiled
+    code runs on fake tensors.
     """
-    with collector_paused(), Progress(type(model).__name__) as progress:
+    if isinstance(model, nn.Module):
+        model, _ = without_compile_wrappers(model)
+    with collector_paused(), eager_code(), Progress(type(model).__name__) as progress:
         return _partition(model, plan, example_inputs, example_kwargs, profile, progress)
 
 
@@ -216,7 +222,7 @@ def partition_like(
     another number of stages or another placement. The garbage collector is paused while
     it runs, as in ``partition``.
     """
-    with collector_paused():
+    with collector_paused(), eager_code():
         return _partition_like(first, model, args, kwargs, roots_for)
 
 

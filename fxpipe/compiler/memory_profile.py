@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.batching import microbatch
 from fxpipe.devices import torch_device
+from fxpipe.passes.uncompiled import eager_code
 from fxpipe.planner.memory_model import MicrobatchMemory
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.memory import StageMemory, StepMemory
@@ -53,7 +54,7 @@ def profile(
     if inputs is None:
         inputs, _ = microbatch.microbatch_inputs(part, microbatches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with eager_code(), mode:
         runners = [_fake_runner(part, s, mode, recompute[s], offload[s]) for s in range(part.num_stages)]
         ctx = StepContext(train=True, grad_enabled=True, loss_of=_scalar_loss, memory=StepMemory())
         outputs = _forwards(runners, _fake(inputs, mode), ctx, part)
@@ -84,7 +85,9 @@ def _fake_runner(part: Any, s: int, mode: FakeTensorMode, recompute: Recompute, 
         memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
     copied = copy_stage_module(module, memo)  # the stage's generated code reused, not generated again
     device = next((t.device for t in memo.values()), planned)
-    runner = make_runner(dataclasses.replace(stage, recompute=recompute, offload=False), copied, device, part.num_stages, part.plan)
+    # fake tensors run the stage graph itself, never compiled code
+    plan = part.plan.replace(compile=False)
+    runner = make_runner(dataclasses.replace(stage, recompute=recompute, offload=False), copied, device, part.num_stages, plan)
     runner.check_finite = False
     runner.offload = Offload(device, copy=False) if offload else None
     return runner

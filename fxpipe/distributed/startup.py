@@ -161,6 +161,8 @@ def plan_parts(part: Any, layout: Any) -> dict[str, str]:
     plan = part.plan
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
     fields["schedule"] = describe_schedule(plan.schedule)  # a function's repr holds its address
+    if isinstance(plan.compile, dict):  # so may a backend given as a function
+        fields["compile"] = {k: getattr(v, "__qualname__", v) for k, v in plan.compile.items()}
     parts = {"plan": repr(sorted(fields.items(), key=lambda kv: kv[0])), "layout": f"world {layout.world} workers {layout.workers} replicas {layout.replicas}"}
     for s in part.stages:
         tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(s.module.named_parameters()) + list(s.module.named_buffers())]

@@ -351,9 +351,24 @@ class PipelineBase(PipelineViews):
         step has run, its memory per stage, predicted against measured."""
         lines = [self.part.summary(), f"signatures compiled: {len(self._programs)}"]
         lines += [f"  {k}: {sig}" for k, sig in enumerate(self.signatures)]
+        lines += self._compiled_lines()
         if self._last_memory is not None:
             lines.append(str(self.memory()))
         return "\n".join(lines)
+
+    def _compiled_lines(self) -> list[str]:
+        """``Plan(compile=...)``: per signature, each of this process's stages' compiled
+        graphs and seconds (nothing before a stage first runs)."""
+        if not self.plan.compile:
+            return []
+        lines = [f"compiled stages (torch.compile, options {self.plan.compile!r}):"]
+        for k, program in enumerate(self._programs.values()):
+            for runner in program.runners.values():
+                if runner.compiled is not None:
+                    lines.append(f"  signature {k}, {runner.compiled.describe()}")
+                else:
+                    lines.append(f"  signature {k}, stage {runner.index}: eager (checkpoint='selective' runs uncompiled)")
+        return lines
 
     def memory(self) -> MemoryReport:
         """The memory of the last measured training step on this process, one row per

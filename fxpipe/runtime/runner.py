@@ -46,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.runtime import finite
+from fxpipe.runtime.compiled import CompiledStage, compile_options
 from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.memory import StageMemory, storages
 from fxpipe.runtime.offload import Offload
@@ -67,7 +68,9 @@ class StageRunner:
     NonFiniteError on the first NaN/Inf handed on; edge_names: how messages name each
     edge id; checkpoint: False (keep the activations), True (recompute the forward in
     backward) or "selective" (keep the costly ops' outputs, recompute the rest); offload:
-    where saved activations wait for the backward in host memory (CUDA stages).
+    where saved activations wait for the backward in host memory (CUDA stages);
+    compiled: the module under ``torch.compile`` (``Plan(compile=...)``), called instead
+    of it.
     """
 
     index: int
@@ -85,6 +88,7 @@ class StageRunner:
     check_finite: bool = False
     edge_names: dict[int, str] = field(default_factory=dict)
     offload: Offload | None = None
+    compiled: CompiledStage | None = None
     # per output leaf, whether its memory may go once sent (learnt in a measured step)
     _releasable: list[bool] | None = field(default=None, init=False, repr=False)
 
@@ -232,10 +236,11 @@ class StageRunner:
     def _call(self, args: list[Any], ctx: StepContext, i: int) -> Any:
         if self.mutated_inputs:
             args = [a.clone() if k in self.mutated_inputs and isinstance(a, torch.Tensor) else a for k, a in enumerate(args)]
+        call = self.compiled if self.compiled is not None else self.module
         if self.is_last:
             with ctx.loss_scaling(i):
-                return self.module(*args)
-        return self.module(*args)
+                return call(*args)
+        return call(*args)
 
     @contextlib.contextmanager
     def _buffers_restored(self) -> Iterator[None]:
@@ -283,7 +288,8 @@ def _detached(value: Any) -> Any:
 
 def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages: int, plan: Any) -> StageRunner:
     """The runner of a compiled ``fxpipe.Stage`` whose module was placed on ``device``,
-    run as the stage (recompute) and ``plan`` (finiteness checks) say."""
+    run as the stage (recompute) and ``plan`` (finiteness checks, compiled stages) say."""
+    options = compile_options(plan.compile)
     edges = zip(list(stage.recv_ids) + list(stage.send_ids), list(stage.inputs) + list(stage.outputs))
     return StageRunner(
         index=stage.index,
@@ -301,6 +307,9 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         check_finite=plan.check_finite,
         edge_names={k: f"edge {k} ({e.name!r}, stage {e.src} -> stage {e.dst})" for k, e in edges},
         offload=Offload(device) if stage.offload else None,
+        # torch.compile refuses the recomputation selective checkpointing replays (it
+        # finds the cached tensors mutated): such a stage runs eager, as summary() says
+        compiled=CompiledStage(stage.index, module, options) if options is not None and stage.recompute != "selective" else None,
     )
 
 
