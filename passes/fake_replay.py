@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,20 @@ _CONSTANTS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, to
 _MAX_PLAIN_LENGTH = 64
 # the nn.Module internals a module signature reads separately
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """torch logs every meta kernel that refuses, at ERROR with its traceback
+    (``torch._subclasses.fake_tensor``); fxpipe handles those failures itself (the node runs
+    for real, or fxpipe's own error names it), so the log is held back while fakes run."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @dataclass(frozen=True)
@@ -335,7 +350,7 @@ class FakeReplay:
         self.runs += 1
         self._ran_for_real = None
         try:
-            with self.mode:
+            with quiet_meta_failures(), self.mode:
                 args, kwargs = self._writable((args, kwargs))
                 tensors = input_tensors(args, kwargs)
                 versions = [t._version for t in tensors]
@@ -688,4 +703,4 @@ def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tuple(int(d) for d in t.shape), dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
 
 
-__all__ = ["DATA_DEPENDENT", "FakeReplay", "OutputTemplate", "TensorTemplate", "input_tensors", "module_signature", "replay"]
+__all__ = ["DATA_DEPENDENT", "FakeReplay", "OutputTemplate", "TensorTemplate", "input_tensors", "module_signature", "quiet_meta_failures", "replay"]

@@ -31,6 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxpipe.passes.fake_replay import quiet_meta_failures
 from fxpipe.passes.meta import MODULE_PATH, VAL
 from fxpipe.passes.module_state import preserved_module_state
 from fxpipe.passes.moves import MovesIgnored
@@ -130,7 +131,7 @@ def eager_on_fake(
 
         fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, fake_input, (tuple(args), dict(kwargs)))
         # CUDA moves in forward are left out, as the trace leaves them out (passes/moves.py)
-        with preserved_module_state(model), MovesIgnored(), (KernelDtypes() if kernel_dtypes else contextlib.nullcontext()):
+        with preserved_module_state(model), MovesIgnored(), quiet_meta_failures(), (KernelDtypes() if kernel_dtypes else contextlib.nullcontext()):
             return torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=True, strict=False)
 
 

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fxpipe.passes.fake_replay import FakeReplay, OutputTemplate
+from fxpipe.passes.fake_replay import FakeReplay, OutputTemplate, quiet_meta_failures
 from fxpipe.passes.meta import COMPUTE_OPS, COST
 from fxpipe.passes.shape_prop import tensor_bytes
 
@@ -253,7 +253,7 @@ def _count(node: fx.Node, resolve: Callable[[str], Any], fake_run: FakeReplay, s
                 state[name] = fake_run.fake(t)
                 if isinstance(t, torch.nn.Parameter) and t.requires_grad and not any(w is state[name] for w in weights):
                     weights.append(state[name])
-        with _Counter() as forward:
+        with quiet_meta_failures(), _Counter() as forward:
             out = fake_run.execute(node, args, kwargs, resolve, state)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         grads = [torch.empty_like(t) for t in outs]

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe.batching import microbatch
 from fxpipe.devices import torch_device
+from fxpipe.passes.fake_replay import quiet_meta_failures
 from fxpipe.passes.uncompiled import eager_code
 from fxpipe.planner.memory_model import MicrobatchMemory
 from fxpipe.runtime.context import StepContext
@@ -54,7 +55,7 @@ def profile(
     if inputs is None:
         inputs, _ = microbatch.microbatch_inputs(part, microbatches)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with eager_code(), mode:
+    with eager_code(), quiet_meta_failures(), mode:
         runners = [_fake_runner(part, s, mode, recompute[s], offload[s]) for s in range(part.num_stages)]
         ctx = StepContext(train=True, grad_enabled=True, loss_of=_scalar_loss, memory=StepMemory())
         outputs = _forwards(runners, _fake(inputs, mode), ctx, part)
