@@ -36,6 +36,7 @@ from fxpipe.passes.meta import MODULE_PATH, VAL
 from fxpipe.passes.module_state import preserved_module_state
 from fxpipe.passes.moves import MovesIgnored
 from fxpipe.passes.shape_prop import describe, propagate_shapes
+from fxpipe.passes.trace import inference_only_defaults
 from fxpipe.passes.trace_errors import user_line
 from fxpipe.passes.traced import Traced, TraceError
 from fxpipe.passes.uncompiled import eager_code
@@ -157,7 +158,11 @@ def check_generalises(
     inputs = traced.bind_inputs(tuple(args), kwargs)
     devices = getattr(model, "fxpipe_devices", None)  # a skeleton says where its tensors live
     try:
-        expected = eager_on_fake(model, tuple(args), kwargs, devices)
+        # eager called as the trace was: inference-only options left out at their traced value
+        # (use_cache=False), else an eval-mode call compares a generation cache the trace omits
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+        untraced = inference_only_defaults(model, bound.signature, bound, {})
+        expected = eager_on_fake(model, tuple(args), {**kwargs, **untraced}, devices)
     except Exception:  # noqa: BLE001 - data-dependent: fake tensors cannot say
         return False
     gm = traced.graph_module

@@ -114,6 +114,29 @@ def test_gpt2_with_use_cache_at_its_default_trains_like_eager() -> None:
     assert max_relative_grad_error(pipe, ref) < 1e-10
 
 
+
+def test_llama_with_use_cache_at_its_default_evaluates_a_new_batch_size_like_eager() -> None:
+    """An eval call of another batch size traces again (eval mode, a new signature); the check
+    that the trace computes what eager computes calls eager as the trace was made
+    (use_cache=False), not with the generation cache an eval call would build."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=96, max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double()
+    ref = copy.deepcopy(model).eval()
+    ids = token_batch(4, 8)
+    mask = torch.ones_like(ids)
+    pipe = fxpipe.compile(model, fxpipe.Plan(split=["model.layers.1"], **PLAN), example_inputs=(ids,), example_kwargs={"attention_mask": mask})
+    pipe.eval()
+    with torch.no_grad():
+        out = pipe(ids[:1], attention_mask=mask[:1])
+        expected = ref(ids[:1], attention_mask=mask[:1]).logits
+    assert torch.allclose(out.logits, expected, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------ the fake replay's real runs
 class Grouped(nn.Module):
     """torch._grouped_mm in float32: its meta kernel refuses what the CPU kernel runs."""
