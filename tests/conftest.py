@@ -102,3 +102,12 @@ def _first_tensor(out: Any) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def float64():
+    """float64 as the default dtype for the test (exact comparisons with eager), restored after."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -67,14 +67,6 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture
-def float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_resume_in_another_layout_equals_the_uninterrupted_run(tmp_path, float64, layout: str) -> None:
     data = batches()

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import eager_microbatch_step
+from test_distributed import TiedLM  # an embedding tied to the head, the uses on different stages
 from torch import nn
 
 import fxpipe
@@ -35,19 +36,6 @@ class SmallCNN(nn.Module):
         return self.head(torch.relu(self.conv2(x)).mean((2, 3)))
 
 
-class TiedLM(nn.Module):
-    """An embedding whose weight is also the output head's: the two uses on different stages."""
-
-    def __init__(self, vocab: int = 11, width: int = 8) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.mid = nn.Linear(width, width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(self.emb(idx))).mean(1))
-
 
 def train_both(model: nn.Module, plan: fxpipe.Plan, batches: list[tuple], loss_fn, lr: float = 0.1):
     """Losses of 3 SGD steps: the pipeline with the optimizer on ``model.parameters()``, and
@@ -66,14 +54,6 @@ def train_both(model: nn.Module, plan: fxpipe.Plan, batches: list[tuple], loss_f
         ref_opt.step()
         ref_opt.zero_grad()
     return pipe, ref, got, expected
-
-
-@pytest.fixture
-def float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
 
 
 def test_optimizer_on_model_parameters_trains_an_mlp_as_eager(float64) -> None:

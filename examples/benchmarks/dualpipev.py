@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zero_bubble import split_points, timed  # noqa: E402 - the split and timing helpers beside this file
 
 FXPIPE = ("zb-v", "dualpipev")
 TDP = ("tdp-dualpipev",)
@@ -46,27 +49,6 @@ def build(case: str) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
     width, blocks, batch = {"mlp": (512, 16, 128), "tiny": (64, 8, 32)}[case]
     layers = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)]
     return nn.Sequential(*layers, nn.Linear(width, 10)), torch.randn(batch, width), torch.randint(0, 10, (batch,))
-
-
-def split_points(model: nn.Sequential, stages: int) -> list[str]:
-    """Module names that begin stages 1..stages-1: equal numbers of blocks per stage."""
-    blocks = len(model) - 1
-    if blocks % stages:
-        raise ValueError(f"{blocks} blocks do not split into {stages} equal stages")
-    return [str(k * blocks // stages) for k in range(1, stages)]
-
-
-def timed(step: Callable[[], object], steps: int, warmup: int) -> list[float]:
-    """Step times after warm-up (a barrier before each)."""
-    times = []
-    for k in range(warmup + steps):
-        dist.barrier()
-        began = time.perf_counter()
-        step()
-        if k >= warmup:
-            times.append(time.perf_counter() - began)
-    dist.barrier()
-    return times
 
 
 def fxpipe_run(case: str, schedule: str, m: int, steps: int, warmup: int) -> dict:
