@@ -356,3 +356,23 @@ def test_compiled_stages_with_data_parallel_replicas_equal_eager_under_torchrun(
     found = sorted(re.findall(r"rank (\d) graphs (\d+) err (\S+)", run.stdout))
     assert [r for r, _, _ in found] == ["0", "1"], run.stdout + run.stderr[-2000:]
     assert all(int(graphs) == 1 and float(err) < 1e-5 for _, graphs, err in found), found
+
+
+def test_memory_hooks_of_a_measured_zero_bubble_step_are_not_compiled_by_dynamo() -> None:
+    # autograd calls the saved-tensor hook from the eager code between a compiled stage's
+    # graphs (the W split's autograd Functions); Dynamo compiled it anew for every key and hit
+    # its recompile limit (eight micro-batches, one process)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from fxpipe.runtime import memory
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks(depth=2)
+    x, t = torch.randn(8, 5, 16), torch.randn(8, 5, 4)
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks.1"], schedule="zb-h1", microbatches=8, compile={"backend": "eager"})
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=nn.MSELoss())
+    pipe.step(x, target=t)  # the first step of a signature is measured
+    assert pipe.memory() is not None
+    for fn in (memory.StageMemory._pack, memory._extent, memory.StageMemory._add):
+        assert not _debug_get_cache_entry_list(fn.__code__), fn.__qualname__

@@ -122,7 +122,10 @@ class StageMemory:
         """Count every tensor autograd saves inside the block until autograd lets it go;
         with ``offload``, the tensors it takes go to host memory and count only from
         ``fetch(key)`` on."""
+        @torch._dynamo.disable
         def pack(t: torch.Tensor) -> Any:
+            # autograd calls this from the eager code between a compiled stage's graphs too,
+            # where Dynamo would otherwise compile it anew for every key (and hit its limit)
             return self._pack(t, key, offload)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
