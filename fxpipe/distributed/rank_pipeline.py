@@ -270,8 +270,11 @@ class DistributedPipeline(PipelineBase):
             hooks.append(after_last_backward(mine, reducer.reduce))
         if ctx.train:
             self._tied.before_step()
-        self._step_started = time.time()  # the events' clock on this rank, to line the ranks up
-        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks, microbatch_runners=batch.microbatch_runners())
+        runners = batch.microbatch_runners()
+        # the events' time zero and the wall-clock time that lines the ranks up, read together
+        # (a gap between them, a few ms on a loaded machine, would shift this rank's events)
+        origin, self._step_started = time.perf_counter(), time.time()
+        step = Step(ctx, batch.inputs, program.runners, program.part.edge_ends, hooks, microbatch_runners=runners, origin=origin)
         self._last_events = self.executor.run(mine, program.messages[key], spec, step)
         if self._sharded is not None:
             self._sharded.end_call()
