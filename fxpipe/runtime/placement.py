@@ -202,7 +202,7 @@ def skeleton(module: nn.Module) -> nn.Module:
     for tensor in list(module.parameters()) + list(module.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    copy_ = copy.deepcopy(module, memo)
+    copy_ = copy_module(module, memo)
     known = getattr(module, "fxpipe_devices", {})  # a skeleton of a skeleton keeps the real devices
     devices = {name: known.get(name, t.device) for name, t in _named_tensors(module)}
     object.__setattr__(copy_, "fxpipe_devices", devices)
