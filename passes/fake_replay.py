@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,7 @@ COMPUTE_NODE_OPS = ("call_module", "call_function", "call_method")
 _CONSTANTS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 # attributes longer than this are keyed by identity: a vocabulary list is not a configuration
 _MAX_PLAIN_LENGTH = 64
+_PLAIN_KINDS = frozenset({bool, int, float, str, type(None)})  # exactly these types: (type, value) as _CONSTANTS gives
 # the nn.Module internals a module signature reads separately
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")
 
@@ -557,6 +559,9 @@ def _describe(value: Any, tensors: list[torch.Tensor], module_key: Callable[[tor
 
 def _plain(value: Any) -> Hashable:
     """A module attribute by value where that is cheap and meaningful, else by identity."""
+    kind = type(value)
+    if kind in _PLAIN_KINDS or ((kind is dict or kind is OrderedDict) and not value):  # most attributes: flags, sizes, empty hook tables
+        return (kind, () if kind is dict or kind is OrderedDict else value)
     if isinstance(value, _CONSTANTS):
         return (type(value), value)
     if isinstance(value, torch.Tensor):
