@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fxpipe.passes.assumed import check_assumed
+from fxpipe.passes.kernel_dtypes import KernelDtypeError, KernelDtypes
 from fxpipe.passes.meta import MODULE_PATH
 from fxpipe.passes.targets import resolver
 
@@ -71,6 +73,7 @@ COMPUTE_NODE_OPS = ("call_module", "call_function", "call_method")
 _CONSTANTS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 # attributes longer than this are keyed by identity: a vocabulary list is not a configuration
 _MAX_PLAIN_LENGTH = 64
+_PLAIN_KINDS = frozenset({bool, int, float, str, type(None)})  # exactly these types: (type, value) as _CONSTANTS gives
 # the nn.Module internals a module signature reads separately
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")
 
@@ -166,7 +169,9 @@ class FakeReplay:
     ``estimated`` holds the nodes that could not run on fake tensors (data-dependent) and
     ran for real on stand-in values: their sizes are those the stand-ins gave, not facts;
     ``real_runs`` maps every node that ran for real (or reused such a run's template) to
-    why. real_inputs: whether real tensors handed to :meth:`run`/:meth:`step` for
+    why; ``refused`` is the first op whose dtypes a real kernel would refuse
+    (:mod:`~fxpipe.passes.kernel_dtypes`; the fake kernel ran it), else None. real_inputs:
+    whether real tensors handed to :meth:`run`/:meth:`step` for
     placeholders hold the example's values (False when they are placeholders of the right
     shape only, e.g. ``new_empty``): only then are they used by a real run.
     """
@@ -191,6 +196,7 @@ class FakeReplay:
         self._ran_for_real: str | None = None
         self._given: dict[fx.Node, Any] = {}  # placeholders and get_attr nodes: their real values
         self._reals: dict[fx.Node, Any] = {}  # nodes computed for real from inputs and buffers (None: not computable)
+        self.refused: KernelDtypeError | None = None  # the first op a real kernel would refuse for its dtypes
 
     def run(
         self,
@@ -349,12 +355,14 @@ class FakeReplay:
             return self._build(template, tensors)
         self.runs += 1
         self._ran_for_real = None
+        dtypes = KernelDtypes(record=True)
         try:
-            with quiet_meta_failures(), self.mode:
+            with quiet_meta_failures(), self.mode, dtypes:
                 args, kwargs = self._writable((args, kwargs))
                 tensors = input_tensors(args, kwargs)
                 versions = [t._version for t in tensors]
                 out = self.execute(node, args, kwargs, resolve)
+            self.refused = self.refused or dtypes.refused
             if self._ran_for_real is not None:
                 self.real_runs[node] = self._real_keys[key] = self._ran_for_real
                 if self._ran_for_real == DATA_DEPENDENT:
@@ -551,6 +559,9 @@ def _describe(value: Any, tensors: list[torch.Tensor], module_key: Callable[[tor
 
 def _plain(value: Any) -> Hashable:
     """A module attribute by value where that is cheap and meaningful, else by identity."""
+    kind = type(value)
+    if kind in _PLAIN_KINDS or ((kind is dict or kind is OrderedDict) and not value):  # most attributes: flags, sizes, empty hook tables
+        return (kind, () if kind is dict or kind is OrderedDict else value)
     if isinstance(value, _CONSTANTS):
         return (type(value), value)
     if isinstance(value, torch.Tensor):

@@ -167,6 +167,7 @@ class PipeTracer(fx.Tracer):
         self._moved_to: str | None = None  # the device of the last move read (passes/moves.py)
         self._move_source = ""  # that move, as explain() names it
         self.moves_read = 0
+        self._children: dict[int, tuple[nn.Module, dict[int, str]]] = {}  # id(parent) -> (parent, id(child) -> name)
 
     # ------------------------------------------------------------------ entry
     def trace_call(self, model: nn.Module, call: RootCall) -> fx.Graph:
@@ -248,10 +249,24 @@ class PipeTracer(fx.Tracer):
             parent = None
         if parent is mod and parent_path:  # asked again from inside its own call (fx's call_module)
             return parent_path
-        for name, child in (parent._modules.items() if parent is not None else ()):
-            if child is mod:
-                return f"{parent_path}.{name}" if parent_path else name
+        name = self._child_name(parent, mod) if parent is not None else None
+        if name is not None:
+            return f"{parent_path}.{name}" if parent_path else name
         return super().path_of_module(mod)
+
+    def _child_name(self, parent: nn.Module, mod: nn.Module) -> str | None:
+        """``mod``'s first name among ``parent``'s children, or None: looked up in a table per
+        parent (built on first use, rebuilt when a forward changed the children), so a
+        sequence of 10,000 children is not scanned once per call."""
+        table = self._children.get(id(parent))
+        name = table[1].get(id(mod)) if table is not None and table[0] is parent else None
+        if name is not None and parent._modules.get(name) is mod:
+            return name
+        names: dict[int, str] = {}
+        for child_name, child in parent._modules.items():
+            names.setdefault(id(child), child_name)
+        self._children[id(parent)] = (parent, names)
+        return names.get(id(mod))
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **options: Any) -> fx.Proxy:
         """fx's, except that a move of a traced tensor to a CUDA device (``x.to("cuda:1")``,

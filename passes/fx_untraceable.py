@@ -56,6 +56,10 @@ def untraceable_contexts(tracing: Callable[[], bool], length_of: Callable[[fx.Pr
         return original_len(proxy) if answer is None else answer
 
     original_len = fx.Proxy.__len__
+    # torch caches these tables on first use: built while the patches stand, they would hold
+    # the patched functions (and through them this tracer and the user's model) for good
+    torch.overrides.get_ignored_functions()
+    torch.overrides.get_overridable_functions()
     saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     try:
         for owner, name, what, internal_ok in patches:

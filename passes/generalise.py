@@ -29,9 +29,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.passes.fake_replay import quiet_meta_failures
+from fxpipe.passes.kernel_dtypes import KernelDtypes
 from fxpipe.passes.meta import MODULE_PATH, VAL
 from fxpipe.passes.module_state import preserved_module_state
 from fxpipe.passes.moves import MovesIgnored
@@ -44,47 +44,6 @@ from fxpipe.passes.uncompiled import eager_code
 
 class TraceMismatch(TraceError):
     """A trace computes something else than the model for a call: trace that call again."""
-
-
-_SAME_DTYPE_OPS = {
-    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.addbmm,
-    torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.vdot,
-}
-_NORM_OPS = {  # (input, ..., weight at this position)
-    torch.ops.aten.native_layer_norm: 2, torch.ops.aten.native_batch_norm: 1, torch.ops.aten._native_batch_norm_legit: 1,
-    torch.ops.aten._native_batch_norm_legit_no_training: 1, torch.ops.aten.native_group_norm: 1,
-}
-_REDUCED = (torch.float16, torch.bfloat16)
-
-
-class KernelDtypeError(RuntimeError):
-    """A kernel would refuse its operands' dtypes (found on fake tensors by :class:`KernelDtypes`)."""
-
-
-class KernelDtypes(TorchDispatchMode):
-    """Under a FakeTensorMode, the dtype rules real kernels keep and fake ones do not: a
-    matrix product's operands share one dtype ("mat1 and mat2 must have the same dtype"),
-    a norm's input is floating and its weight of the input's dtype (float32 weights under
-    a float16/bfloat16 input are fine), a convolution's input and weight share one dtype.
-    Raises KernelDtypeError where the kernel would raise, so that a fake run fails where the
-    real one will."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        packet = func.overloadpacket
-        if packet in _SAME_DTYPE_OPS:
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            if len(dtypes) > 1:
-                raise KernelDtypeError(f"{packet.__name__}: operands of different dtypes ({', '.join(sorted(str(d) for d in dtypes))}); a matrix product needs one")
-        elif packet in _NORM_OPS:
-            x, position = args[0], _NORM_OPS[packet]
-            weight = args[position] if len(args) > position else None
-            if not x.is_floating_point():
-                raise KernelDtypeError(f"{packet.__name__}: input of dtype {x.dtype}; a norm needs a floating input")
-            if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype and not (x.dtype in _REDUCED and weight.dtype == torch.float32):
-                raise KernelDtypeError(f"{packet.__name__}: input of dtype {x.dtype}, weight of dtype {weight.dtype}; mixed dtypes fail")
-        elif packet is torch.ops.aten.convolution and args[1].dtype != args[0].dtype:
-            raise KernelDtypeError(f"convolution: input of dtype {args[0].dtype}, weight of dtype {args[1].dtype}; mixed dtypes fail")
-        return func(*args, **(kwargs or {}))
 
 
 def eager_on_fake(

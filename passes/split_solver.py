@@ -331,15 +331,20 @@ def ordered_problem_inputs(
     ``graph`` has a cycle.
     """
     rank = {node: k for k, node in enumerate(program_order or ())}
-    order = list(nx.lexicographical_topological_sort(graph, key=lambda v: rank.get(v, len(rank))))
+    if len(rank) == len(graph) and all(rank.get(u, -1) < rank.get(v, -1) for u, v in graph.edges):
+        # the program order is topological: the lexicographic sort by it is that order
+        order = sorted(graph, key=rank.__getitem__)
+    else:
+        order = list(nx.lexicographical_topological_sort(graph, key=lambda v: rank.get(v, len(rank))))
     position = {node: k for k, node in enumerate(order)}
     delta = [0.0] * (len(order) + 2)
+    successors = graph.succ
     for node in order:
-        out = graph.out_edges(node, data="bytes", default=0.0)
+        out = successors[node]
         if not out:
             continue
-        last = max(position[v] for _, v, _ in out)
-        size = float(max(b for _, _, b in out))
+        last = max(position[v] for v in out)
+        size = float(max(data.get("bytes", 0.0) for data in out.values()))
         start = position[node] + 1
         if last >= start:
             delta[start] += size

@@ -213,3 +213,21 @@ def test_auto_split_follows_the_schedules_placement_of_stages() -> None:
     assert [f"on {d}" in s.reason for s, d in zip(part.stages, part.devices)] == [True] * 4
     nodes = [s.num_nodes for s in part.stages]
     assert nodes[1] + nodes[2] > 4 * (nodes[0] + nodes[3])
+
+
+@pytest.mark.parametrize("name,stages,chunks", [("gpipe", 3, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 4, 2), ("zb-h1", 3, 1), ("zb-v", 4, 2), ("dualpipev", 4, 2)])
+def test_step_clock_is_the_simulated_step_to_the_bit(name: str, stages: int, chunks: int) -> None:
+    # split="auto" refines its cuts with StepClock: the same float operations as play(), so the same cuts
+    from fxpipe.planner.cost_model import stage_models
+    from fxpipe.planner.estimates import StepClock, play
+    from fxpipe.schedules import make_schedule
+
+    plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(stages // chunks)])
+    models = stage_models(plan, [f"cpu:{k % (stages // chunks)}" for k in range(stages)])
+    actions = make_schedule(name, stages, 8, chunks)
+    clock = StepClock(actions, models, [(k, k + 1) for k in range(stages - 1)])
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        f, i, w = (torch.rand(stages, generator=rng, dtype=torch.float64).mul(1e-3).tolist() for _ in range(3))
+        edges = {(k, k + 1): float(torch.randint(0, 10**7, (), generator=rng)) for k in range(stages - 1)}
+        assert clock.step_time(f, i, w, edges) == play(actions, models, f, i, w, edges).step_time

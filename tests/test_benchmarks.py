@@ -103,3 +103,14 @@ def test_compiled_benchmark_times_eager_and_compiled_stages_and_loops_and_prints
         assert float(row.split()[-2]) > 0, row
     assert re.search(r"compiled/eager: fxpipe \(2\)/\(1\) \d+\.\d+x  loop \(4\)/\(3\) \d+\.\d+x", out), out
     assert re.search(r"stage 0: \d+ graph\(s\) compiled in \d+\.\d s; .*stage 1: \d+ graph\(s\) compiled", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compile_titan_part_prints_the_manual_split_ratios_and_issue_33s_goals() -> None:
+    out = run("compile.py", "--quick", "--parts", "titan")
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)s\s+(\d+\.\d+)s\s+(\d+\.\d+)x$", out, re.M)
+    assert [int(r[0]) for r in rows] == [4, 8, 16], out  # fxpipe.compile and the manual split at each depth
+    assert re.search(r"split='auto' on a 1,000-node stack, 4 stages, seconds per phase .*\n\s+trace \d+\.\d\d, .*total \d+\.\d\d", out), out
+    goals = re.findall(r"^\s+.+?\s+(\d+\.\d+)(x|s)\s+<= [\d.]+(x|s)\s+(met|NOT met)$", out, re.M)
+    assert len(goals) == 3, out

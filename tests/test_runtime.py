@@ -258,3 +258,28 @@ def test_action_hooks_see_every_action_before_and_after_it_runs_in_schedule_orde
     pipe.action_hooks[:] = [failing]
     with pytest.raises(fxpipe.PipelineError, match=r"stage 1 on cpu:1 failed in F1:2 \(micro-batch 2\): RuntimeError: the hook refuses"):
         pipe.step(x, target=t)
+
+
+def test_placed_stages_share_the_compiled_graph_and_code_and_run_as_eager() -> None:
+    # placement copies no node and generates no code (issue 33): the placed copy is the same
+    # program, its tensors the model's; gradients still equal eager's
+    from fxpipe.factory import build_pipeline
+    from fxpipe.runtime.placement import skeleton
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    part = fxpipe.partition(model, fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["2"], microbatches=3), example_inputs=(x,))
+    pipe = build_pipeline(part, model, loss_fn=nn.MSELoss())
+    for compiled, placed in zip(part.stages, pipe.stages):
+        assert placed.module.graph is compiled.module.graph and placed.module.graph.owning_module is placed.module
+        assert type(placed.module) is type(compiled.module) and placed.module.code == compiled.module.code
+        meta = skeleton(placed.module)
+        assert type(meta) is type(placed.module) and all(p.is_meta for p in meta.parameters())
+    loss = pipe.step(x, target=target)
+    eager = nn.MSELoss()(reference(x), target)
+    eager.backward()
+    torch.testing.assert_close(loss, eager, rtol=0, atol=1e-12)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)

@@ -15,6 +15,14 @@ absolute times follow the machine's load):
              96 layers, and 96 layers <= 1.5x the compile time of 24 layers; then
              fxpipe.compile's seconds per phase at each depth (explicit split): the
              compiler's phases, placement, and the garbage collection within them
+  titan      issue 33's setup goals: a torchtitan-style Llama 3 (the debug model: dim 256, 16
+             heads, vocab 2048; written here, no torchtitan dependency) at 16, 48 and 96
+             layers, fxpipe.compile (2 stages cut at the middle layer, both placed in this
+             process on devices ["cpu", "cpu"]) against torchtitan's manual split of one
+             rank (deep-copy the model, delete the layers outside the stage); the ratio at
+             48 layers (goal <= 3x), fxpipe's 96 / 24 layers (goal <= 1.5x), and
+             fxpipe.partition(split="auto") of a 10,000-node Linear+ReLU stack into 4
+             stages (goal <= 1 s) with its phases
   scaling    fxpipe.partition of nn.Sequential graphs of 2,500 / 5,000 / 10,000 nodes
              (Linear + ReLU pairs) into 4 stages, split="auto" and explicit, against
              pipeline() with the explicit split points; microseconds per node show whether
@@ -33,6 +41,8 @@ the LM <= 0.3x / <= 0.5x; the 10,000-node partition(split="auto") <= 5 s, linear
 
     .venv/bin/python examples/benchmarks/compile.py [--quick] [--parts resnet152 lm depth scaling]
         [--rounds 3] [--tdp-up-to 5000] [--profile lm] [--plot docs/img/compile-depth.png]
+
+    .venv/bin/python examples/benchmarks/compile.py --parts titan    # issue 33's setup goals
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import copy
 import cProfile
 import functools
 import gc
+import math
 import pstats
 import statistics
 import time
@@ -50,6 +61,7 @@ from unittest import mock
 
 import torch
 import torch._dynamo  # noqa: F401 - imported once, untimed (see the module doc)
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
@@ -59,7 +71,7 @@ import fxpipe.compiler.driver
 import fxpipe.factory
 from fxpipe.compiler.progress import Progress
 
-PARTS = ("resnet152", "lm", "depth", "scaling")
+PARTS = ("resnet152", "lm", "depth", "scaling", "titan")
 
 
 def _seconds(run: Callable[[], object]) -> float:
@@ -283,6 +295,157 @@ def scaling(sizes: list[int], rounds: int, tdp_up_to: int, profile: bool) -> Non
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/)", 25)
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = _Attention(dim, heads), _FeedForward(dim, hidden)
+        self.attention_norm, self.ffn_norm = _RMSNorm(dim), _RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama3(nn.Module):
+    """torchtitan's Llama 3 layout (``tok_embeddings``, ``layers`` as a ModuleDict, ``norm``,
+    ``output``; RoPE, RMSNorm, SwiGLU), its debug size by default. A stage of the manual
+    split sets the modules it lacks to None, as torchtitan's pipeline split does."""
+
+    def __init__(self, layers: int, dim: int = 256, heads: int = 16, vocab: int = 2048, seq: int = 2048) -> None:
+        super().__init__()
+        hidden = 256 * math.ceil(int(2 * 4 * dim / 3) / 256)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): _Block(dim, heads, hidden) for i in range(layers)})
+        self.norm, self.output = _RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        head_dim = dim // heads
+        angles = torch.outer(torch.arange(seq).float(), 1.0 / (500000 ** (torch.arange(0, head_dim, 2).float() / head_dim)))
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.cos[: h.shape[1], None, :], self.sin[: h.shape[1], None, :]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def manual_split(model: Llama3, stage: int, stages: int) -> Llama3:
+    """torchtitan's split of one rank: a deep copy of the model without the layers (and the
+    embedding, norm and head) outside ``stage``."""
+    part = copy.deepcopy(model)
+    per = len(part.layers) // stages
+    keep = {str(k) for k in range(stage * per, (stage + 1) * per if stage < stages - 1 else len(part.layers))}
+    for name in [n for n in part.layers if n not in keep]:
+        del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != stages - 1:
+        part.norm = part.output = None
+    return part
+
+
+def titan(layer_counts: list[int], rounds: int, stack_nodes: int, profile: bool) -> None:
+    """Issue 33's setup goals: fxpipe.compile against the manual split at each depth
+    (alternating, medians), the 96/24 ratio, and split='auto' on a large stack."""
+    medians: dict[int, dict[str, float]] = {}
+    profiler = cProfile.Profile() if profile else None
+    for layers in layer_counts:
+        model, tokens = Llama3(layers), torch.randint(0, 2048, (8, 64))
+        plan = fxpipe.Plan(devices=["cpu", "cpu"], split=[f"layers.{layers // 2}"], microbatches=4)
+        run = {
+            "fxpipe.compile": lambda: fxpipe.compile(model, plan, (tokens,), loss_fn=_loss),  # noqa: B023
+            "manual split": lambda: manual_split(model, 0, 2),  # noqa: B023
+        }
+        for fn in run.values():  # warm-up, untimed
+            fn()
+        times: dict[str, list[float]] = {label: [] for label in run}
+        for _ in range(rounds):
+            for label, fn in run.items():
+                profiling = profiler is not None and label == "fxpipe.compile"
+                if profiling:
+                    profiler.enable()
+                times[label].append(_seconds(fn))
+                if profiling:
+                    profiler.disable()
+        medians[layers] = {label: statistics.median(t) for label, t in times.items()}
+    print(f"\ntitan: torchtitan-style Llama 3 (dim 256, 16 heads, vocab 2048), 2 stages, median of {rounds} (alternating)")
+    print(f"  {'layers':>6s} {'fxpipe.compile':>15s} {'manual split':>13s} {'ratio':>7s}")
+    for layers, m in medians.items():
+        print(f"  {layers:6d} {m['fxpipe.compile']:14.2f}s {m['manual split']:12.2f}s {m['fxpipe.compile'] / m['manual split']:6.2f}x")
+    small, large = min(medians), max(medians)
+    middle = sorted(medians)[len(medians) // 2]
+    depth_ratio = medians[large]["fxpipe.compile"] / medians[small]["fxpipe.compile"]
+    auto = _auto_stack(stack_nodes, rounds)
+    print("\ngoals (issue 33):")
+    rows = [
+        (f"{middle} layers: fxpipe.compile / manual split", medians[middle]["fxpipe.compile"] / medians[middle]["manual split"], 3.0, "x"),
+        (f"{large} / {small} layers: fxpipe.compile", depth_ratio, 1.5, "x"),
+        (f"split='auto', {stack_nodes:,} nodes: seconds", auto, 1.0, "s"),
+    ]
+    for case, value, goal, unit in rows:
+        print(f"  {case:46s} {value:7.2f}{unit} {'<= ' + str(goal) + unit:>8s}  {'met' if value <= goal else 'NOT met'}")
+    if profiler is not None:
+        print(f"  cProfile of fxpipe.compile ({rounds * len(layer_counts)} compiles, cumulative):")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/)", 30)
+
+
+def _auto_stack(nodes: int, rounds: int) -> float:
+    """fxpipe.partition(split="auto") of a Linear+ReLU stack of ``nodes`` nodes into 4 stages:
+    the median seconds, printed with the compiler's phases."""
+    model, x = _stack(nodes), torch.randn(8, 16)
+    plan = fxpipe.Plan(devices=[f"cpu:{k}" for k in range(4)], split="auto")
+    fxpipe.partition(_stack(100), plan, example_inputs=(x,))  # warm-up
+    runs = []
+    for _ in range(rounds):
+        with mock.patch.object(fxpipe.compiler.driver, "Progress", _PhaseRecord):
+            seconds = _seconds(lambda: fxpipe.partition(model, plan, example_inputs=(x,)))
+        runs.append({**_PhaseRecord.last, "total": seconds})
+    row = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    print(f"\nsplit='auto' on a {nodes:,}-node stack, 4 stages, seconds per phase (median of {rounds}):")
+    print("  " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in row.items()))
+    return row["total"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, one round (checks the script runs)")
@@ -307,6 +470,8 @@ def main() -> None:
         compare(f"GPT-2-style LM, {layers} layers, width 64", model, ids, paths, rounds, args.profile == "lm")
     if "depth" in args.parts:
         depth([4, 8, 16] if args.quick else [24, 48, 96], rounds, args.profile == "depth", args.plot)
+    if "titan" in args.parts:
+        titan([4, 8, 16] if args.quick else [16, 24, 48, 96], rounds, 1000 if args.quick else 10000, args.profile == "titan")
     if "scaling" in args.parts:
         sizes = [250, 500, 1000] if args.quick else [2500, 5000, 10000]
         scaling(sizes, rounds, args.tdp_up_to, args.profile == "scaling")

@@ -28,8 +28,8 @@ from fxpipe.compiler.stage import Stage
 from fxpipe.passes import annotate as annotate_pass
 from fxpipe.passes.buffers import buffers_written
 from fxpipe.passes.codegen import build_stage_module, mutated_inputs, stage_graph
-from fxpipe.passes.fake_replay import replay
-from fxpipe.passes.generalise import KernelDtypeError, check_generalises, eager_on_fake
+from fxpipe.passes.fake_replay import FakeReplay, replay
+from fxpipe.passes.generalise import check_generalises
 from fxpipe.passes.input_slice import input_slice, output_inputs
 from fxpipe.passes.loss_terms import added_terms
 from fxpipe.passes.meta import COMPUTE_OPS, MODULE_PATH, STAGE
@@ -124,13 +124,13 @@ def _partition(model, plan, example_inputs, example_kwargs, profile, progress: P
             "example_inputs=(x, ...) (and example_kwargs=) shaped like a training batch: fxpipe "
             "propagates their shapes on fake tensors to size every stage and edge"
         ) from None
-    _check_kernel_dtypes(model, example_inputs, kwargs)
     progress.phase("shapes and costs")
     if traced.replay is not None:  # the fx frontend replayed the example while tracing
         fake_run = traced.replay
         record_values(fake_run)
     else:
         fake_run = propagate_shapes(gm, _on_model_device(model, example), resolve, progress=progress.nodes)
+    _check_kernel_dtypes(model, example_inputs, kwargs, fake_run)
     annotate_costs(gm.graph, resolve, fake_run)
     _check_cut_fits(gm, resolve, plan, model, example_inputs, kwargs, example)
     if profile is not None:
@@ -183,23 +183,19 @@ def _batch_in_a_list(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _check_kernel_dtypes(model: nn.Module, example_inputs: tuple, kwargs: dict) -> None:
+def _check_kernel_dtypes(model: nn.Module, example_inputs: tuple, kwargs: dict, fake_run: FakeReplay) -> None:
     """Raise CompileError when real kernels would refuse the example's dtypes against the
     model's (a float16 batch for float32 convolutions): fake tensors let them pass, so the
-    eager model is run once more on fake tensors with those kernels' dtype rules. Any other
-    failure of that run is left to the passes that follow."""
-    try:
-        with quiet_attempt(), torch.no_grad():
-            eager_on_fake(model, example_inputs, kwargs, getattr(model, "fxpipe_devices", None), kernel_dtypes=True)
-    except KernelDtypeError as err:
-        given = ", ".join(f"{microbatch.describe_tensor(t)}" for t in pytree.tree_leaves((example_inputs, kwargs)) if isinstance(t, torch.Tensor))
-        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
-        raise CompileError(
-            f"example_inputs ({given}) meet {type(model).__name__}'s {'/'.join(dtypes)} parameters where real kernels refuse "
-            f"mixed dtypes ({err}): pass inputs of the dtype the model computes in, or convert the model (model.to(dtype))"
-        ) from None
-    except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: the trace's own replay says more
+    replay of the trace on the example keeps those kernels' dtype rules
+    (``fxpipe.passes.kernel_dtypes``) and says which op they refuse."""
+    if fake_run.refused is None:
         return
+    given = ", ".join(f"{microbatch.describe_tensor(t)}" for t in pytree.tree_leaves((example_inputs, kwargs)) if isinstance(t, torch.Tensor))
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    raise CompileError(
+        f"example_inputs ({given}) meet {type(model).__name__}'s {'/'.join(dtypes)} parameters where real kernels refuse "
+        f"mixed dtypes ({fake_run.refused}): pass inputs of the dtype the model computes in, or convert the model (model.to(dtype))"
+    )
 
 
 def partition_like(

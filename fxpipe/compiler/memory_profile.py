@@ -84,7 +84,7 @@ def _fake_runner(part: Any, s: int, mode: FakeTensorMode, recompute: Recompute, 
         device = planned if device.type == "meta" else device
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
         memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    copied = copy_stage_module(module, memo)  # the stage's generated code reused, not generated again
+    copied = copy_stage_module(module, memo, share_graph=False)  # the stage's generated code reused; the graph does not keep this copy
     device = next((t.device for t in memo.values()), planned)
     # fake tensors run the stage graph itself, never compiled code
     plan = part.plan.replace(compile=False)

@@ -41,7 +41,7 @@ from fxpipe.planner.cost_model import (
     stage_models,
     state_bytes,
 )
-from fxpipe.planner.estimates import in_flight, measured_device, play
+from fxpipe.planner.estimates import StepClock, in_flight, measured_device
 from fxpipe.schedules import Schedule, describe_schedule, stage_workers
 
 # the exact min-max split gives way to the schedule-refined one only when the simulated
@@ -88,10 +88,7 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         )
     order, cuts = ordered_problem_inputs(_dataflow(compute), compute)
     measured_on = measured_device(graph, plan, calibration)
-    phases = torch.tensor(
-        [[mdl.node_phases(cost_of(n), 1 / m, n.meta.get(MEASURED), measured_on) for n in order] for mdl in models],
-        dtype=torch.float64,
-    )  # stages x nodes x (forward, input gradient, weight gradient)
+    phases = torch.tensor([_node_phases(mdl, order, m, measured_on) for mdl in models], dtype=torch.float64)  # stages x nodes x (forward, input gradient, weight gradient)
     flight = in_flight(plan, actions, num_stages)
     problem_for = _problems(graph, order, phases, cuts, models, devices, m, flight)
     edges = _block_edges(order, num_stages)  # one item per stamped layer where there are enough
@@ -118,6 +115,23 @@ def auto_split(graph: fx.Graph, plan: Plan, calibration: Calibration | None = No
         )
     how = "cost model: min-max split" + (f", refined for the {describe_schedule(plan.schedule)} schedule" if refined else "")
     return AutoSplit([order[edges[b]] for b in bounds[1:-1]], reasons, how)
+
+
+def _node_phases(model: DeviceModel, order: list[fx.Node], m: int, measured_on: DeviceModel | None) -> list[Any]:
+    """Each ordered node's (forward, I, W) seconds on ``model``: an estimate computed once
+    per distinct cost (a 10,000-node stack has a handful), a measured node's on its own."""
+    known: dict[Any, Any] = {}
+    rows = []
+    for node in order:
+        cost, measured = cost_of(node), node.meta.get(MEASURED)
+        if measured is not None:
+            rows.append(model.node_phases(cost, 1 / m, measured, measured_on))
+            continue
+        row = known.get(cost)
+        if row is None:
+            row = known[cost] = model.node_phases(cost, 1 / m, None, measured_on)
+        rows.append(row)
+    return rows
 
 
 def _block_edges(order: list[fx.Node], num_stages: int) -> list[int]:
@@ -212,13 +226,21 @@ def _simulated_step(actions: Schedule, m: int, models: list[DeviceModel], phases
     nodes (per-node forward, I and W seconds ``phases``, bytes ``cuts`` across each cut)."""
     num_stages = len(models)
     zero = torch.zeros(num_stages, 1, 3, dtype=torch.float64)
-    prefix = torch.cat([zero, phases.cumsum(1)], 1).tolist()  # stages x (nodes + 1) x 3
+    summed = torch.cat([zero, phases.cumsum(1)], 1)  # stages x (nodes + 1) x 3
+    read: dict[tuple[int, int], list[float]] = {}  # the sums the refinement asks for, as floats
+
+    def prefix(k: int, b: int) -> list[float]:
+        if (k, b) not in read:
+            read[(k, b)] = summed[k, b].tolist()
+        return read[(k, b)]
+
+    clock = StepClock(actions, models, [(k, k + 1) for k in range(num_stages - 1)])
 
     def step_time(bounds: list[int]) -> float:
-        spans = [(prefix[k][bounds[k]], prefix[k][bounds[k + 1]]) for k in range(num_stages)]
+        spans = [(prefix(k, bounds[k]), prefix(k, bounds[k + 1])) for k in range(num_stages)]
         edge_bytes = {(k, k + 1): cuts[bounds[k + 1]] / m for k in range(num_stages - 1)}
         per_phase = [[end[p] - start[p] for start, end in spans] for p in range(3)]
-        return play(actions, models, *per_phase, edge_bytes).step_time
+        return clock.step_time(*per_phase, edge_bytes)
 
     return step_time
 

@@ -34,7 +34,7 @@ from fxpipe.planner.cost_model import (
 )
 from fxpipe.planner.memory_model import MicrobatchMemory, activation_peaks
 from fxpipe.planner.schedule_sim import simulate
-from fxpipe.schedules import Action, Schedule
+from fxpipe.schedules import Action, Schedule, StageGraph, execution_order
 
 # node kinds whose outputs selective recompute keeps (the rest it runs again)
 COSTLY_KINDS = ("matmul", "conv")
@@ -210,6 +210,60 @@ def play(
         input_time=seconds([input_grad]),
         weight_time=seconds([weight_grad]),
     )
+
+
+class StepClock:
+    """``play(actions, models, ...).step_time`` for many stage times on one schedule (the
+    refinement of ``split="auto"`` asks hundreds): the execution order, which depends on the
+    schedule and the stages' dependencies ``deps`` only, is worked out once; each
+    :meth:`step_time` adds up the seconds in that order, with ``play``'s arithmetic (the
+    same float operations in the same order, so the same result)."""
+
+    def __init__(self, actions: Sequence[Sequence[Action]], models: list[DeviceModel], deps: Sequence[tuple[int, int]]) -> None:
+        self.models = models
+        self.num_workers = len(actions)
+        self._steps: list[tuple[int, str, int, list[tuple[int, int, int]]]] = []  # worker, op, stage, needs (index, worker, stage)
+        where: dict[Action, tuple[int, int]] = {}
+        for worker, action, needs in execution_order(actions, StageGraph(len(models), deps)):
+            self._steps.append((worker, action.op, action.stage, [(*where[n], n.stage) for n in needs]))
+            where[action] = (len(where), worker)
+
+    def step_time(self, forward: Sequence[float], input_grad: Sequence[float], weight_grad: Sequence[float], edge_bytes: dict[tuple[int, int], float]) -> float:
+        """What ``play(actions, models, forward, input_grad, weight_grad, edge_bytes).step_time`` returns."""
+        models = self.models
+        latency = [mdl.spec.latency for mdl in models]
+        seconds = {
+            "F": [0 + f + lat for f, lat in zip(forward, latency)],
+            "B": [0 + i + w + lat for i, w, lat in zip(input_grad, weight_grad, latency)],
+            "I": [0 + i + lat for i, lat in zip(input_grad, latency)],
+            "W": [0 + w + lat for w, lat in zip(weight_grad, latency)],
+        }
+        comm: dict[tuple[int, int], float] = {}
+        free_at = [0.0] * self.num_workers
+        ends: list[float] = []
+        first = last = None
+        for worker, op, stage, needs in self._steps:
+            start = free_at[worker]
+            for index, need_worker, need_stage in needs:
+                need_end = ends[index]
+                if need_worker != worker:
+                    pair = (need_stage, stage)
+                    if pair not in comm:
+                        comm[pair] = _non_negative(transfer_seconds(models, *pair, edge_bytes.get(pair, edge_bytes.get(pair[::-1], 0.0))), "comm_time")
+                    need_end += comm[pair]
+                start = max(start, need_end)
+            end = start + _non_negative(seconds[op][stage], f"{op} time") + 0.0
+            ends.append(end)
+            free_at[worker] = end
+            first = start if first is None else min(first, start)
+            last = end if last is None else max(last, end)
+        return 0.0 if first is None else last - first
+
+
+def _non_negative(value: float, what: str) -> float:
+    if value < 0:
+        raise ValueError(f"{what} is negative ({value} s)")
+    return value
 
 
 def predicted_timeline(

@@ -31,7 +31,6 @@ from fxpipe.runtime.context import StepContext
 from fxpipe.runtime.inputs import InputCheck
 from fxpipe.runtime.interpret import ActionHook
 from fxpipe.runtime.memory import StepMemory, held_state
-from fxpipe.runtime.placement import skeleton
 from fxpipe.runtime.runner import StageRunner
 from fxpipe.schedules import describe_schedule
 
@@ -288,8 +287,9 @@ class PipelineBase(PipelineViews):
     replica = 0
 
     def _setup(self, part: Any, loss_fn: Any, model: nn.Module, compiler: Compiler, watched: nn.Module) -> None:
-        """``model``: a skeleton of the model as it was traced; ``watched``: the user's model,
-        whose plain attributes every call holds to their compile-time values."""
+        """``model``: a skeleton of the model as it was traced (``placement.skeleton``, made
+        for this pipeline: kept as it is); ``watched``: the user's model, whose plain
+        attributes every call holds to their compile-time values."""
         self.part = part
         self._compiler = compiler
         self.plan = part.plan
@@ -298,7 +298,7 @@ class PipelineBase(PipelineViews):
         self.training = model.training
         # the model's code and structure without its memory (nor a reference to it): which
         # outputs follow the batch is asked of it on fake tensors
-        self._model = skeleton(model)
+        self._model = model
         self._check_inputs = InputCheck(self._model, (tuple(part.example_inputs), dict(part.example_kwargs)), compiler.check_call)
         self._attributes = AttributeGuard(watched)
         self._batched: dict[tuple, dict[str, bool]] = {}

@@ -1,7 +1,7 @@
 """Placement: each stage's modules on its device, holding the model's own tensors.
 
 The stage modules are copies of the model's modules (an instance of the same class, its
-graph copied and its generated code shared), but the parameters and buffers they hold
+graph and generated code shared: a stage graph is not changed after the compiler), but the parameters and buffers they hold
 are the model's own objects, moved in place (``param.data = param.data.to(device)``) to
 the device of the earliest stage that uses them, as FSDP2 does. So an optimizer built on
 ``model.parameters()`` updates what the pipeline reads, and an in-place edit of the
@@ -144,17 +144,19 @@ def move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
             tensor.grad = grad.to(device)
 
 
-def copy_stage_module(module: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+def copy_stage_module(module: fx.GraphModule, memo: dict[int, Any], share_graph: bool = True) -> fx.GraphModule:
     """A copy of ``module``: its state (submodules, parameters, buffers, attributes) deep-copied
-    through ``memo``, its graph copied node for node, and its generated code shared (an
-    instance of the same generated class: the copied graph is the same program, so no code
-    is generated again, which ``copy.deepcopy`` of a GraphModule does). Returns the copy;
-    ``module`` is unchanged."""
+    through ``memo``; its generated code shared (an instance of the same generated class: the
+    same program, so no code is generated again, which ``copy.deepcopy`` of a GraphModule
+    does) and its graph too (a stage graph is not changed once the compiler has made it, so
+    no node is copied), the copy its ``owning_module`` from now on. ``share_graph=False``
+    copies the graph node for node instead and leaves ``module`` its owner: for a short-lived
+    copy that the graph must not keep alive. Returns the copy; ``module`` is unchanged."""
     clone = object.__new__(type(module))
     memo[id(module)] = clone
     for name, value in vars(module).items():
         if name == "_graph":
-            value = copy.deepcopy(value)  # its nodes' meta shallow-copied; no tensor in it
+            value = value if share_graph else copy.deepcopy(value)  # a copy's nodes' meta shallow-copied; no tensor in it
             value.owning_module = clone
         elif name not in _CODE:
             value = copy.deepcopy(value, memo)
@@ -202,7 +204,7 @@ def skeleton(module: nn.Module) -> nn.Module:
     for tensor in list(module.parameters()) + list(module.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    copy_ = copy.deepcopy(module, memo)
+    copy_ = copy_module(module, memo)
     known = getattr(module, "fxpipe_devices", {})  # a skeleton of a skeleton keeps the real devices
     devices = {name: known.get(name, t.device) for name, t in _named_tensors(module)}
     object.__setattr__(copy_, "fxpipe_devices", devices)
