@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python examples/benchmarks/varlen.py
 	$(BIN)/python examples/benchmarks/zero_bubble.py --plots docs/img
 	$(BIN)/python examples/benchmarks/dualpipev.py
+	$(BIN)/python examples/benchmarks/titan.py --plot docs/img/titan.png
 	$(BIN)/python examples/benchmarks/memory.py --plot docs/img/memory-predicted-vs-measured.png
 	$(BIN)/python examples/benchmarks/data_parallel.py
 

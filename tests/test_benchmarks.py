@@ -44,6 +44,24 @@ def test_dualpipev_benchmark_runs_fxpipe_and_tdp_dualpipev_and_prints_the_ratios
 
 
 @pytest.mark.timeout(300)
+def test_titan_benchmark_checks_fxpipe_against_tdp_and_prints_setup_steps_memory_and_ratios(tmp_path) -> None:
+    plot = tmp_path / "titan.png"
+    out = run("titan.py", "--quick", "--plot", str(plot))
+    gaps = re.findall(r"^  (\S+)\s+loss (\S+)  grads (\S+)$", out, re.M)
+    assert [g[0] for g in gaps] == ["1f1b", "interleaved-1f1b", "zb-v", "dualpipev"], out
+    assert all(float(loss) <= 1e-5 and float(grad) <= 1e-4 for _, loss, grad in gaps), out
+    setup = re.findall(r"^\s+(\d+)\s+\d+\.\d+s\s+\d+\.\d+s\s+\d+\.\d+s\s+\d+\.\d+s\s+(\d+\.\d)x$", out, re.M)
+    assert [int(layers) for layers, _ in setup] == [4, 8], out
+    steps = re.findall(r"^  (\S+) / (Schedule\w+)\s+(\d+\.\d+)\s+(\d+\.\d+) ms\s+(\d+\.\d+)x$", out, re.M)
+    assert [s[:2] for s in steps] == [("1f1b", "Schedule1F1B"), ("interleaved-1f1b", "ScheduleInterleaved1F1B"),
+                                      ("zb-v", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")], out
+    kept = re.findall(r"^  (\S+) kept\s+(-?\d+\.\d+)\s+(-?\d+\.\d+) MiB", out, re.M)
+    assert len(kept) == 4 and all(float(ours) < 0.01 and float(theirs) > 0 for _, ours, theirs in kept), out  # TDP keeps its buffers
+    assert len(re.findall(r"^  \S+ rss\s+-?\d+\.\d+\s+-?\d+\.\d+ MiB", out, re.M)) == 4, out
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
 def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile() -> None:
     out = run("signatures.py", "--quick")
     assert re.search(r"cached / compiled for the shape:\s+\d+\.\d+x", out), out

@@ -4,12 +4,16 @@ and selective recompute equal to eager, checkpoint="auto" fitting the devices, o
 from __future__ import annotations
 
 import copy
+import dataclasses
+import gc
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import assert_grads_match, eager_microbatch_step
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import fxpipe
 from fxpipe.distributed import launch
@@ -335,3 +339,81 @@ def test_stages_fake_tensors_cannot_run_fall_back_to_output_sizes_and_say_so(mon
     estimates = part.estimates()
     assert all(e.activation_peak == e.in_flight * e.activation_bytes > 0 for e in estimates)
     assert "cpu:3" in part.summary()
+
+
+# ------------------------------------------------------ nothing of a step outlives it
+def _storages() -> dict[int, tuple[int, tuple, torch.dtype]]:
+    """Every live CPU tensor's storage: data pointer -> (bytes, a shape, dtype)."""
+    gc.collect()
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fake tensors warn on data_ptr
+        for o in gc.get_objects():
+            if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not isinstance(o, FakeTensor):
+                storage = o.untyped_storage()
+                found[storage.data_ptr()] = (storage.nbytes(), tuple(o.shape), o.dtype)
+    return found
+
+
+def _kept_between_steps(pipe: fxpipe.Pipeline, step: Callable[[], object], before: set[int], given: list[torch.Tensor]) -> list[list[tuple]]:
+    """After each of three steps: the tensors alive that are not the pipeline's parameters,
+    gradients or buffers, nor the step's inputs, nor alive before the pipeline was built."""
+    owned = {t.untyped_storage().data_ptr() for t in given}
+    kept = []
+    for _ in range(3):
+        step()
+        for _, p in pipe.named_parameters():
+            owned |= {p.untyped_storage().data_ptr()} | ({p.grad.untyped_storage().data_ptr()} if p.grad is not None else set())
+        owned |= {b.untyped_storage().data_ptr() for b in pipe.state_dict().values()}
+        kept.append(sorted(v for k, v in _storages().items() if k not in before and k not in owned))
+    return kept
+
+
+def _leak_case(schedule: str) -> tuple[nn.Module, fxpipe.Plan, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)], nn.Linear(32, 10)).double()
+    chunks = 2 if schedule == "zb-v" else 1
+    split = ["1", "2", "3"] if chunks == 2 else ["2"]
+    plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=split, schedule=schedule, chunks=chunks, microbatches=4)
+    return model, plan, torch.randn(16, 32, dtype=torch.float64), torch.randint(0, 10, (16,))
+
+
+def rank_leak_case() -> dict[str, dict]:
+    found = {}
+    for schedule in ("1f1b", "zb-v"):
+        model, plan, x, t = _leak_case(schedule)
+        ref = copy.deepcopy(model)
+        before = set(_storages())
+        pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)
+        kept = _kept_between_steps(pipe, lambda pipe=pipe, x=x, t=t: pipe.step(x, target=t), before, [x, t])
+        pipe.zero_grad()
+        pipe.step(x, target=t)
+        eager_microbatch_step(ref, (x,), t, CE, 4)
+        expected = dict(ref.named_parameters())
+        worst = max(float((p.grad - expected[n].grad).abs().max()) for n, p in pipe.named_parameters())
+        pipe.close()
+        found[schedule] = {"kept": kept, "grad_err": worst}
+    return found
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_no_received_buffer_or_autograd_graph_of_a_step_outlives_it_on_two_gloo_ranks() -> None:
+    # what stays between steps is the device mesh's rank list and nothing of a step: a
+    # message's buffer (4 rows x 32 or 10 columns, float64) is at least 320 bytes, and
+    # before the fix the wait thread held the last waited messages until the next wait
+    for rank, by_schedule in enumerate(launch(rank_leak_case, 2, timeout=LAUNCH_TIMEOUT)):
+        for schedule, r in by_schedule.items():
+            assert r["grad_err"] < 1e-12, (rank, schedule, r)
+            assert r["kept"][0] == r["kept"][1] == r["kept"][2], f"rank {rank}, {schedule}: {r['kept']}"
+            assert all(nbytes < 320 for nbytes, _, _ in r["kept"][0]), f"rank {rank}, {schedule} keeps a step's tensors: {r['kept'][0]}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_no_activation_or_autograd_graph_of_a_step_outlives_it_in_one_process(schedule: str) -> None:
+    model, plan, x, t = _leak_case(schedule)
+    before = set(_storages())
+    plan = dataclasses.replace(plan, devices=["cpu", "cpu"])
+    pipe = fxpipe.compile(model, plan, example_inputs=(x,), loss_fn=CE)
+    kept = _kept_between_steps(pipe, lambda: pipe.step(x, target=t), before, [x, t])
+    assert kept[0] == kept[1] == kept[2], kept
+    assert all(nbytes < 320 for nbytes, _, _ in kept[0]), kept[0]

@@ -74,6 +74,19 @@ def _no_stages(rank: int, stage: int | None = None) -> str:
     return f"stage {stage}" if stage is not None else ""
 
 
+def _finish(works: list[tuple[Any, int | None]], done: threading.Event, outcome: list[BaseException]) -> None:
+    """Wait for ``works`` on the wait thread, then let go of them (their tensors are the
+    step's received and sent buffers) and wake the waiting thread."""
+    for work, peer in works:
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(PeerLost(peer, err))
+            break
+    works.clear()
+    done.set()
+
+
 class Watchdog:
     """Waits on communication with a deadline; names the rank at fault, exactly.
 
@@ -330,14 +343,8 @@ class Watchdog:
             job = self._jobs.get()
             if job is None:
                 return
-            works, done, outcome = job
-            for work, peer in works:
-                try:
-                    work.wait()
-                except Exception as err:  # noqa: BLE001 - handed to the waiting thread
-                    outcome.append(PeerLost(peer, err))
-                    break
-            done.set()
+            _finish(*job)
+            job = None  # the works hold the step's message buffers: none outlives its wait
 
     # ---------------------------------------------------------------- start-up
     def gather(self, name: str, value: str, what: str) -> dict[int, str]:
