@@ -43,6 +43,7 @@ def test_dualpipev_benchmark_runs_fxpipe_and_tdp_dualpipev_and_prints_the_ratios
     assert len(re.findall(r"b \d+%", out)) == 2, out
 
 
+@pytest.mark.slow  # two ranks and about 12 compiles: 2 minutes on 2 cores
 @pytest.mark.timeout(300)
 def test_titan_benchmark_checks_fxpipe_against_tdp_and_prints_setup_steps_memory_and_ratios(tmp_path) -> None:
     plot = tmp_path / "titan.png"

@@ -52,16 +52,16 @@ import copy
 import cProfile
 import functools
 import gc
-import math
 import pstats
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import torch
 import torch._dynamo  # noqa: F401 - imported once, untimed (see the module doc)
-import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
@@ -70,6 +70,9 @@ import fxpipe
 import fxpipe.compiler.driver
 import fxpipe.factory
 from fxpipe.compiler.progress import Progress
+
+sys.path.insert(0, str(Path(__file__).parent))
+from titan import ModelArgs, Transformer, manual_stage, stage_layers  # noqa: E402 - the benchmark beside this file
 
 PARTS = ("resnet152", "lm", "depth", "scaling", "titan")
 
@@ -295,106 +298,17 @@ def scaling(sizes: list[int], rounds: int, tdp_up_to: int, profile: bool) -> Non
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(r"(fxpipe|passes/)", 25)
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    even, odd = x[..., ::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-
-
-class _Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class _FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.attention, self.feed_forward = _Attention(dim, heads), _FeedForward(dim, hidden)
-        self.attention_norm, self.ffn_norm = _RMSNorm(dim), _RMSNorm(dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Llama3(nn.Module):
-    """torchtitan's Llama 3 layout (``tok_embeddings``, ``layers`` as a ModuleDict, ``norm``,
-    ``output``; RoPE, RMSNorm, SwiGLU), its debug size by default. A stage of the manual
-    split sets the modules it lacks to None, as torchtitan's pipeline split does."""
-
-    def __init__(self, layers: int, dim: int = 256, heads: int = 16, vocab: int = 2048, seq: int = 2048) -> None:
-        super().__init__()
-        hidden = 256 * math.ceil(int(2 * 4 * dim / 3) / 256)
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): _Block(dim, heads, hidden) for i in range(layers)})
-        self.norm, self.output = _RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
-        head_dim = dim // heads
-        angles = torch.outer(torch.arange(seq).float(), 1.0 / (500000 ** (torch.arange(0, head_dim, 2).float() / head_dim)))
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.cos[: h.shape[1], None, :], self.sin[: h.shape[1], None, :]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
-
-
-def manual_split(model: Llama3, stage: int, stages: int) -> Llama3:
-    """torchtitan's split of one rank: a deep copy of the model without the layers (and the
-    embedding, norm and head) outside ``stage``."""
-    part = copy.deepcopy(model)
-    per = len(part.layers) // stages
-    keep = {str(k) for k in range(stage * per, (stage + 1) * per if stage < stages - 1 else len(part.layers))}
-    for name in [n for n in part.layers if n not in keep]:
-        del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != stages - 1:
-        part.norm = part.output = None
-    return part
-
-
 def titan(layer_counts: list[int], rounds: int, stack_nodes: int, profile: bool) -> None:
     """Issue 33's setup goals: fxpipe.compile against the manual split at each depth
     (alternating, medians), the 96/24 ratio, and split='auto' on a large stack."""
     medians: dict[int, dict[str, float]] = {}
     profiler = cProfile.Profile() if profile else None
     for layers in layer_counts:
-        model, tokens = Llama3(layers), torch.randint(0, 2048, (8, 64))
+        model, tokens = Transformer(ModelArgs(n_layers=layers, max_seq_len=64)), torch.randint(0, 2048, (8, 64))
         plan = fxpipe.Plan(devices=["cpu", "cpu"], split=[f"layers.{layers // 2}"], microbatches=4)
         run = {
             "fxpipe.compile": lambda: fxpipe.compile(model, plan, (tokens,), loss_fn=_loss),  # noqa: B023
-            "manual split": lambda: manual_split(model, 0, 2),  # noqa: B023
+            "manual split": lambda: manual_stage(model, stage_layers(layers, 2)[0], 2, 0),  # noqa: B023
         }
         for fn in run.values():  # warm-up, untimed
             fn()
