@@ -334,8 +334,17 @@ def listed_on_ranks(names: list[str]) -> dict:
     return result
 
 
-def test_listed_microbatches_on_two_ranks_under_every_schedule() -> None:
-    names = sorted(SCHEDULES)
+# make test runs two schedules (masks crossing the ranks as a pytree, and a V schedule), make
+# test-slow the rest
+RANK_SAMPLE = ("1f1b", "zb-v")
+
+
+@pytest.mark.parametrize("names", [
+    pytest.param(RANK_SAMPLE, id="sample"),
+    pytest.param(tuple(n for n in sorted(SCHEDULES) if n not in RANK_SAMPLE), id="rest", marks=pytest.mark.slow),
+])
+def test_listed_microbatches_on_two_ranks_under_every_schedule(names: tuple[str, ...]) -> None:
+    names = list(names)
     for rank, result in enumerate(launch(listed_on_ranks, 2, (names,), timeout=300)):
         for name in names:
             loss, eager, err, out_error = result[name]
@@ -386,7 +395,7 @@ def listed_per_replica(schedule: str, fsdp: bool = False) -> tuple:
     return out
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize("fsdp", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_listed_microbatches_per_replica_equal_eager_over_every_replicas(fsdp: bool) -> None:
     for rank, (loss, eager, err) in enumerate(launch(listed_per_replica, 4, ("zb-h1", fsdp), timeout=300)):
         assert abs(loss - eager) <= 1e-12 * abs(eager) and err < 1e-12, (rank, loss, eager, err)

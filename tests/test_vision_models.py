@@ -19,10 +19,14 @@ def _data(batch: int = 8, size: int = 32, classes: int = 10) -> tuple[torch.Tens
     return torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+RESNET_SPLITS = [(["layer3"], 2), (["layer2", "layer4"], 4), (["layer1", "layer2.1", "layer4"], 3)]
+
+
+# each split under one schedule in make test, under the other in make test-slow
 @pytest.mark.parametrize(
-    ("split", "microbatches"),
-    [(["layer3"], 2), (["layer2", "layer4"], 4), (["layer1", "layer2.1", "layer4"], 3)],
+    ("schedule", "split", "microbatches"),
+    [(schedule, split, m) for k, (split, m) in enumerate(RESNET_SPLITS) for schedule in ("gpipe", "1f1b")[k % 2 :][:1]]
+    + [pytest.param(schedule, split, m, marks=pytest.mark.slow) for k, (split, m) in enumerate(RESNET_SPLITS) for schedule in ("1f1b", "gpipe")[k % 2 :][:1]],
 )
 def test_resnet18_grads_match_eager(schedule: str, split: list[str], microbatches: int) -> None:
     x, t = _data()
@@ -38,7 +42,7 @@ def test_resnet18_under_export_frontend_matches_eager() -> None:
     assert pipe.frontend == "export"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_mobilenet_v3_small_matches_eager(schedule: str) -> None:
     x, t = _data()
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1", "cpu:2"], split=["features.4", "features.9"], schedule=schedule, microbatches=4)
