@@ -168,10 +168,14 @@ class FakeReplay:
     ``real_runs`` maps every node that ran for real (or reused such a run's template) to
     why. real_inputs: whether real tensors handed to :meth:`run`/:meth:`step` for
     placeholders hold the example's values (False when they are placeholders of the right
-    shape only, e.g. ``new_empty``): only then are they used by a real run.
+    shape only, e.g. ``new_empty``): only then are they used by a real run. assumptions:
+    False skips the trace's checks of the sizes it branched on (``check_assumed`` nodes):
+    a replay at another batch size that asks only how values flow.
     """
 
-    def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None, real_inputs: bool = True) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None, real_inputs: bool = True, assumptions: bool = True,
+    ) -> None:
         self.mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
         self.device = torch.device(device) if device is not None else None
         self.values: dict[fx.Node, Any] = {}
@@ -188,6 +192,7 @@ class FakeReplay:
         self.real_runs: dict[fx.Node, str] = {}
         self._real_keys: dict[Hashable, str] = {}
         self._real_inputs = real_inputs
+        self._assumptions = assumptions
         self._ran_for_real: str | None = None
         self._given: dict[fx.Node, Any] = {}  # placeholders and get_attr nodes: their real values
         self._reals: dict[fx.Node, Any] = {}  # nodes computed for real from inputs and buffers (None: not computable)
@@ -288,6 +293,8 @@ class FakeReplay:
             except Exception as err:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
                 return self._run_for_real(node, module, args, kwargs, err)
         fn = (lambda obj, *rest, **kw: getattr(obj, node.target)(*rest, **kw)) if node.op == "call_method" else node.target
+        if fn is check_assumed and not self._assumptions:
+            return None
         try:
             with self._modules_faked((args, kwargs)):
                 return fn(*args, **kwargs)

@@ -131,7 +131,8 @@ class PipeTracer(fx.Tracer):
     (False: fail there, as plain fx does); stamp_blocks: trace each distinct block once
     (``passes/blocks.py``; False: trace every call). After :meth:`trace_call`: ``opaque`` lists the
     opaque callees in the order they were made, ``assumptions`` counts the branches taken
-    on sizes, ``out_spec`` is the structure of what ``forward`` returned.
+    on sizes, ``batch_lengths`` the source lines that iterated over the batch (the trace
+    holds the batch size), ``out_spec`` is the structure of what ``forward`` returned.
     """
 
     proxy_buffer_attributes = True
@@ -146,6 +147,7 @@ class PipeTracer(fx.Tracer):
         self.path_stack: list[str] = [""]
         self.opaque: list[OpaqueCallee] = []
         self.assumptions = 0
+        self.batch_lengths: list[str] = []
         self.out_spec: pytree.TreeSpec | None = None
         self._root_call: RootCall | None = None
         self._tensor_names: dict[int, str] | None = None
@@ -348,16 +350,27 @@ class PipeTracer(fx.Tracer):
 
     def _answer_isinstance(self, forward: Callable) -> None:
         """Let ``isinstance(x, torch.Tensor)`` in the code of a module's forward (and of the
-        decorators around it) answer from the example for this trace's proxies: models check
-        their inputs' types. Only the model's modules are given it (as fx's autowrap patches
-        their globals): torch's own checks, and its C++ ones, must see a proxy."""
+        decorators around it), and in the library modules of the functions it names, answer
+        from the example for this trace's proxies: models check their inputs' types (HF's
+        mask builders, in ``transformers.masking_utils``, return a 4-D mask handed to them
+        as it is only if it is a tensor). Only the model's modules and those its code calls
+        are given it (as fx's autowrap patches their globals): torch's own checks, and its
+        C++ ones, must see a proxy."""
         fn = forward
         while fn is not None:
             scope = getattr(fn, "__globals__", None)
-            if scope is not None and id(scope) not in self._scopes:
-                self._scopes[id(scope)] = (scope, scope.get("isinstance", _ABSENT))
-                scope["isinstance"] = self._isinstance
+            if scope is not None:
+                self._patch_isinstance(scope)
+                for called in list(scope.values()):
+                    while isinstance(called, types.FunctionType) and not is_internal(called.__code__.co_filename):
+                        self._patch_isinstance(called.__globals__)
+                        called = getattr(called, "__wrapped__", None)
             fn = getattr(fn, "__wrapped__", None)
+
+    def _patch_isinstance(self, scope: dict) -> None:
+        if id(scope) not in self._scopes:
+            self._scopes[id(scope)] = (scope, scope.get("isinstance", _ABSENT))
+            scope["isinstance"] = self._isinstance
 
     def _isinstance(self, obj: Any, classes: Any) -> bool:
         if type(obj) is _Proxy and names_tensor(classes) and self.tracing_here():
@@ -422,9 +435,20 @@ class PipeTracer(fx.Tracer):
             return len(value)
         value = self._known(obj)
         if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if self._follows_batch(obj, value):
+                self.batch_lengths.append(caller_line() or "forward")
             self._assume(obj.size(0), int(value.shape[0]), "a length")
             return int(value.shape[0])
         raise fx.proxy.TraceError(f"len() of a traced {type(value).__name__}")
+
+    def _follows_batch(self, obj: fx.Proxy, value: torch.Tensor) -> bool:
+        """Whether a traced tensor's dim 0 is the batch: it has one row when the example is
+        replayed at a batch of one (``list(image_features)`` over a batch of images)."""
+        if self._shadow is None:
+            return False
+        with self._fake_run():
+            alone = self._shadow.value(obj.node)
+        return isinstance(alone, torch.Tensor) and alone.dim() > 0 and alone.shape[0] != value.shape[0]
 
     # ------------------------------------------------------------------ retrying
     def _traced(self, run: Callable[[], Any], module: nn.Module) -> Any:
