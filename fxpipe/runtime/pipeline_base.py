@@ -661,6 +661,8 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
+            if batch.program.part.batch_lengths:  # its trace holds a micro-batch's size: ask at that size
+                args, kwargs = microbatch.first_rows((args, kwargs), microbatch.batch_size((args, kwargs)), batch.sizes[0])
             self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs, batch.program.part)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
