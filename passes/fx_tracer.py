@@ -83,6 +83,10 @@ from fxpipe.passes.traced_values import (
 # argument parser does not hand an fx Proxy in a size to __torch_function__, so fx records
 # a call with any traced argument as one node instead (fx's autowrap)
 _FACTORIES = (torch.ones, torch.zeros, torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.arange, torch.eye)
+# the same for a traced dtype: ``torch.finfo(x.dtype).min`` (HF's eager mask) is a node read at
+# run time, so the value follows the dtype a stage computes in (autocast included)
+_DTYPE_INFO = (torch.finfo, torch.iinfo)
+_AUTOWRAPPED = _FACTORIES + _DTYPE_INFO
 _ABSENT = object()
 # at most this many functions made opaque in one trace (each costs a partial retrace)
 MAX_OPAQUE_FUNCTIONS = 64
@@ -138,7 +142,7 @@ class PipeTracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(self, leaf_modules: Sequence[Any] = (), auto_leaf: bool = True, stamp_blocks: bool = True) -> None:
-        super().__init__(autowrap_functions=_FACTORIES)
+        super().__init__(autowrap_functions=_AUTOWRAPPED)
         self._autowrap_search.append(torch)  # torch.ones(batch, length): one node, sizes read at run time
         self.leaf_classes = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
@@ -191,7 +195,7 @@ class PipeTracer(fx.Tracer):
                 else:
                     scope["isinstance"] = previous
         for node in graph.nodes:
-            if node.target in _FACTORIES:
+            if node.target in _AUTOWRAPPED:
                 # fx marks autowrapped calls for re-tracing by name, which a torch.* name breaks
                 node.meta.pop("is_wrapped", None)
         # the callees the final graph calls (a failed attempt's are gone with its nodes)
