@@ -163,6 +163,7 @@ class PipeTracer(fx.Tracer):
         self._given: dict[fx.Node, Any] = {}  # placeholder -> the call's own value, where real
         self._input_branches: set[types.CodeType] = set()  # code whose branches may follow input values
         self._scopes: dict[int, tuple[dict, Any]] = {}  # module globals given _isinstance -> what they had
+        self._expanded: set[int] = set()  # forwards' module globals whose called functions' modules got it too
         self._example: GrowingReplay | None = None
         self._shadow: GrowingReplay | None = None  # the same at a batch of one
         self._draws: dict[Any, bool] = {}
@@ -363,7 +364,8 @@ class PipeTracer(fx.Tracer):
         fn = forward
         while fn is not None:
             scope = getattr(fn, "__globals__", None)
-            if scope is not None:
+            if scope is not None and id(scope) not in self._expanded:
+                self._expanded.add(id(scope))
                 self._patch_isinstance(scope)
                 for called in list(scope.values()):
                     while isinstance(called, types.FunctionType) and not is_internal(called.__code__.co_filename):

@@ -98,7 +98,7 @@ def trace(
     notes: list[str] = []
     concrete_args = dict(concrete_args or {})
     inference_only = inference_only_defaults(model, signature, bound, concrete_args)
-    with_inference_only(signature, bound, concrete_args, inference_only)
+    _with_inference_only(signature, bound, concrete_args, inference_only)
     for name, value in inference_only.items():
         notes.append(f"{name} left out: traced with {name}={value!r} (an inference-only option; a pipeline's call returns no generation cache)")
     # an argument the example leaves out stays an input (fx needs no value for it); the
@@ -174,7 +174,7 @@ def _var_keyword(signature: inspect.Signature) -> str | None:
     return next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
 
 
-def with_inference_only(signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: dict[str, Any], values: Mapping[str, Any]) -> None:
+def _with_inference_only(signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: dict[str, Any], values: Mapping[str, Any]) -> None:
     """Put the inference-only ``values`` into ``concrete_args``: a named parameter as
     itself, one handed down through ``**kwargs`` in that argument's template (after the
     call's own keyword arguments, whose tensors stay inputs)."""
