@@ -49,7 +49,6 @@ def test_finfo_of_a_traced_dtype_is_read_at_run_time_under_autocast() -> None:
     assert torch.equal(out, expected)
 
 
-@pytest.mark.slow
 def test_modernbert_with_eager_attention_trains_with_unpadded_microbatches_like_eager() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.ModernBertConfig(

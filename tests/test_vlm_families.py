@@ -7,8 +7,8 @@ are split across 2 stages (1F1B, 4 micro-batches). The check that image features
 image tokens match runs whole, on the call's real values. The loss and every gradient
 equal eager's, eval logits equal eager's at the batch and below the micro-batch count.
 Llava iterates over the batch of images (``list(image_features)``): its stages are traced
-once per micro-batch size. The family grid is slow (``make test-llm``); below it, the
-pieces on small models.
+once per micro-batch size. Llava in float32 runs by default, the rest of the grid and the
+torchrun tests are slow (``make test-llm``); below them, the pieces on small models.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import fxpipe
 transformers = pytest.importorskip("transformers")
 
 PLAN = dict(devices=["cpu", "cpu"], microbatches=4, schedule="1f1b")
+SAMPLE = ("llava", torch.float32)  # in make test; the rest of the grid is slow (make test-llm)
 GRID = [
-    pytest.param(name, dtype, marks=pytest.mark.slow, id=f"{name}-{str(dtype).split('.')[-1]}")
+    pytest.param(name, dtype, marks=() if (name, dtype) == SAMPLE else pytest.mark.slow, id=f"{name}-{str(dtype).split('.')[-1]}")
     for name in FAMILIES for dtype in (torch.float32, torch.float64)
 ]
 # float32: rounding; float64: Gemma's RMSNorm computes in float32 inside a float64 model
