@@ -41,10 +41,11 @@ test-gpu: $(STAMP)
 
 # every LLM family x torchrun layout against eager (tests/test_llm_torchrun.py, slow cases
 # included), the families' trace-level grid, the MoE and hybrid families (tests/test_moe_families.py),
-# and two torchrun agents as two hosts (about 20 minutes on 2 cores); the command line's -m
+# the vision-language families (tests/test_vlm_families.py), ModernBERT's eager mask
+# (tests/test_eager_masks.py), and two torchrun agents as two hosts (about 20 minutes on 2 cores); the command line's -m
 # replaces pyproject's -m 'not slow'
 test-llm: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_moe_families.py tests/test_multinode.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_llm_torchrun.py tests/test_llm_families.py tests/test_moe_families.py tests/test_vlm_families.py tests/test_eager_masks.py tests/test_multinode.py
 
 # every test, the slow cases of every file included (test-llm's grid, the ResNet-50
 # detection models, HF listed micro-batches on sharded replicas, ...; 23 minutes here)

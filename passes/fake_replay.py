@@ -33,9 +33,12 @@ When the real run fails too, the fake run's error is raised: it is the model's.
 
 The real tensors keep the program's structure: the example's own values where they are
 known at compile time (the model's inputs, buffers and parameters, and every value computed
-from inputs and buffers alone, such as masks, token counts and positions: computed for real
-once asked for), else stand-ins of the recorded shape: True for booleans (a check holds),
-zeros for integers (an index in range, empty groups) and for floats.
+from inputs, buffers and sizes alone, such as masks, token counts and positions: computed
+for real once asked for; a size or count the fake run computed, ``features.numel()``, is a
+fact unless it comes from a data-dependent estimate), else stand-ins of the recorded shape:
+True for booleans (a check holds), zeros for integers (an index in range, empty groups) and
+for floats. So a check that compares image tokens with image features runs on the example's
+real counts, as eager does.
 
 Reads the graph only (``node.meta`` is not written here).
 """
@@ -173,10 +176,14 @@ class FakeReplay:
     (:mod:`~fxpipe.passes.kernel_dtypes`; the fake kernel ran it), else None. real_inputs:
     whether real tensors handed to :meth:`run`/:meth:`step` for
     placeholders hold the example's values (False when they are placeholders of the right
-    shape only, e.g. ``new_empty``): only then are they used by a real run.
+    shape only, e.g. ``new_empty``): only then are they used by a real run. assumptions:
+    False skips the trace's checks of the sizes it branched on (``check_assumed`` nodes):
+    a replay at another batch size that asks only how values flow.
     """
 
-    def __init__(self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None, real_inputs: bool = True) -> None:
+    def __init__(
+        self, device: str | torch.device | None = None, mode: FakeTensorMode | None = None, real_inputs: bool = True, assumptions: bool = True,
+    ) -> None:
         self.mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
         self.device = torch.device(device) if device is not None else None
         self.values: dict[fx.Node, Any] = {}
@@ -193,10 +200,12 @@ class FakeReplay:
         self.real_runs: dict[fx.Node, str] = {}
         self._real_keys: dict[Hashable, str] = {}
         self._real_inputs = real_inputs
+        self._assumptions = assumptions
         self._ran_for_real: str | None = None
         self._given: dict[fx.Node, Any] = {}  # placeholders and get_attr nodes: their real values
         self._reals: dict[fx.Node, Any] = {}  # nodes computed for real from inputs and buffers (None: not computable)
         self.refused: KernelDtypeError | None = None  # the first op a real kernel would refuse for its dtypes
+        self._unsure: dict[fx.Node, bool] = {}  # nodes computed from a data-dependent estimate
 
     def run(
         self,
@@ -234,6 +243,7 @@ class FakeReplay:
         positions computed from them): a replay kept after its run holds no real tensors."""
         self._given.clear()
         self._reals.clear()
+        self._unsure.clear()
 
     def step(self, node: fx.Node, resolve: Callable[[str], Any], value: Any = None) -> Any:
         """Run one node whose inputs have run (a placeholder takes ``value``, faked); records
@@ -294,6 +304,8 @@ class FakeReplay:
             except Exception as err:  # noqa: BLE001 - e.g. a leaf module with data-dependent control flow
                 return self._run_for_real(node, module, args, kwargs, err)
         fn = (lambda obj, *rest, **kw: getattr(obj, node.target)(*rest, **kw)) if node.op == "call_method" else node.target
+        if fn is check_assumed and not self._assumptions:
+            return None
         try:
             with self._modules_faked((args, kwargs)):
                 return fn(*args, **kwargs)
@@ -476,11 +488,16 @@ class FakeReplay:
             return self._reals[node]
         order = _ancestors(node)
         for n in order:
+            if n not in self._unsure:
+                self._unsure[n] = n in self.estimated or any(self._unsure[a] for a in n.all_input_nodes)
             if n not in self._reals:
                 self._reals[n] = self._compute_real(n)
         return self._reals[node]
 
     def _compute_real(self, node: fx.Node) -> Any:
+        fake = self.values.get(node)
+        if node.op in ("call_function", "call_method") and _is_size(fake) and not self._unsure[node]:
+            return fake  # a size or count the fake run computed (``features.numel()``): a fact, not a stand-in
         if node.op in ("placeholder", "get_attr"):
             value = self._given.get(node)
             if isinstance(value, torch.nn.Parameter) or value is None or not _same_layout(value, self.values.get(node)):
@@ -636,6 +653,13 @@ def _is_constant(value: Any) -> bool:
     if isinstance(value, _CONSTANTS):
         return True
     return isinstance(value, tuple) and all(isinstance(v, _CONSTANTS) for v in value)
+
+
+def _is_size(value: Any) -> bool:
+    """Whether a node's fake value is a plain size or count (an int, or a tuple of them)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(type(v) is int for v in value)
+    return type(value) is int
 
 
 def _real_copy(t: torch.Tensor) -> torch.Tensor:

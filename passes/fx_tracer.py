@@ -83,6 +83,10 @@ from fxpipe.passes.traced_values import (
 # argument parser does not hand an fx Proxy in a size to __torch_function__, so fx records
 # a call with any traced argument as one node instead (fx's autowrap)
 _FACTORIES = (torch.ones, torch.zeros, torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.arange, torch.eye)
+# the same for a traced dtype: ``torch.finfo(x.dtype).min`` (HF's eager mask) is a node read at
+# run time, so the value follows the dtype a stage computes in (autocast included)
+_DTYPE_INFO = (torch.finfo, torch.iinfo)
+_AUTOWRAPPED = _FACTORIES + _DTYPE_INFO
 _ABSENT = object()
 # at most this many functions made opaque in one trace (each costs a partial retrace)
 MAX_OPAQUE_FUNCTIONS = 64
@@ -131,13 +135,14 @@ class PipeTracer(fx.Tracer):
     (False: fail there, as plain fx does); stamp_blocks: trace each distinct block once
     (``passes/blocks.py``; False: trace every call). After :meth:`trace_call`: ``opaque`` lists the
     opaque callees in the order they were made, ``assumptions`` counts the branches taken
-    on sizes, ``out_spec`` is the structure of what ``forward`` returned.
+    on sizes, ``batch_lengths`` the source lines that iterated over the batch (the trace
+    holds the batch size), ``out_spec`` is the structure of what ``forward`` returned.
     """
 
     proxy_buffer_attributes = True
 
     def __init__(self, leaf_modules: Sequence[Any] = (), auto_leaf: bool = True, stamp_blocks: bool = True) -> None:
-        super().__init__(autowrap_functions=_FACTORIES)
+        super().__init__(autowrap_functions=_AUTOWRAPPED)
         self._autowrap_search.append(torch)  # torch.ones(batch, length): one node, sizes read at run time
         self.leaf_classes = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
@@ -146,6 +151,7 @@ class PipeTracer(fx.Tracer):
         self.path_stack: list[str] = [""]
         self.opaque: list[OpaqueCallee] = []
         self.assumptions = 0
+        self.batch_lengths: list[str] = []
         self.out_spec: pytree.TreeSpec | None = None
         self._root_call: RootCall | None = None
         self._tensor_names: dict[int, str] | None = None
@@ -157,6 +163,7 @@ class PipeTracer(fx.Tracer):
         self._given: dict[fx.Node, Any] = {}  # placeholder -> the call's own value, where real
         self._input_branches: set[types.CodeType] = set()  # code whose branches may follow input values
         self._scopes: dict[int, tuple[dict, Any]] = {}  # module globals given _isinstance -> what they had
+        self._expanded: set[int] = set()  # forwards' module globals whose called functions' modules got it too
         self._example: GrowingReplay | None = None
         self._shadow: GrowingReplay | None = None  # the same at a batch of one
         self._draws: dict[Any, bool] = {}
@@ -190,7 +197,7 @@ class PipeTracer(fx.Tracer):
                 else:
                     scope["isinstance"] = previous
         for node in graph.nodes:
-            if node.target in _FACTORIES:
+            if node.target in _AUTOWRAPPED:
                 # fx marks autowrapped calls for re-tracing by name, which a torch.* name breaks
                 node.meta.pop("is_wrapped", None)
         # the callees the final graph calls (a failed attempt's are gone with its nodes)
@@ -363,16 +370,28 @@ class PipeTracer(fx.Tracer):
 
     def _answer_isinstance(self, forward: Callable) -> None:
         """Let ``isinstance(x, torch.Tensor)`` in the code of a module's forward (and of the
-        decorators around it) answer from the example for this trace's proxies: models check
-        their inputs' types. Only the model's modules are given it (as fx's autowrap patches
-        their globals): torch's own checks, and its C++ ones, must see a proxy."""
+        decorators around it), and in the library modules of the functions it names, answer
+        from the example for this trace's proxies: models check their inputs' types (HF's
+        mask builders, in ``transformers.masking_utils``, return a 4-D mask handed to them
+        as it is only if it is a tensor). Only the model's modules and those its code calls
+        are given it (as fx's autowrap patches their globals): torch's own checks, and its
+        C++ ones, must see a proxy."""
         fn = forward
         while fn is not None:
             scope = getattr(fn, "__globals__", None)
-            if scope is not None and id(scope) not in self._scopes:
-                self._scopes[id(scope)] = (scope, scope.get("isinstance", _ABSENT))
-                scope["isinstance"] = self._isinstance
+            if scope is not None and id(scope) not in self._expanded:
+                self._expanded.add(id(scope))
+                self._patch_isinstance(scope)
+                for called in list(scope.values()):
+                    while isinstance(called, types.FunctionType) and not is_internal(called.__code__.co_filename):
+                        self._patch_isinstance(called.__globals__)
+                        called = getattr(called, "__wrapped__", None)
             fn = getattr(fn, "__wrapped__", None)
+
+    def _patch_isinstance(self, scope: dict) -> None:
+        if id(scope) not in self._scopes:
+            self._scopes[id(scope)] = (scope, scope.get("isinstance", _ABSENT))
+            scope["isinstance"] = self._isinstance
 
     def _isinstance(self, obj: Any, classes: Any) -> bool:
         if type(obj) is _Proxy and names_tensor(classes) and self.tracing_here():
@@ -437,9 +456,20 @@ class PipeTracer(fx.Tracer):
             return len(value)
         value = self._known(obj)
         if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if self._follows_batch(obj, value):
+                self.batch_lengths.append(caller_line() or "forward")
             self._assume(obj.size(0), int(value.shape[0]), "a length")
             return int(value.shape[0])
         raise fx.proxy.TraceError(f"len() of a traced {type(value).__name__}")
+
+    def _follows_batch(self, obj: fx.Proxy, value: torch.Tensor) -> bool:
+        """Whether a traced tensor's dim 0 is the batch: it has one row when the example is
+        replayed at a batch of one (``list(image_features)`` over a batch of images)."""
+        if self._shadow is None:
+            return False
+        with self._fake_run():
+            alone = self._shadow.value(obj.node)
+        return isinstance(alone, torch.Tensor) and alone.dim() > 0 and alone.shape[0] != value.shape[0]
 
     # ------------------------------------------------------------------ retrying
     def _traced(self, run: Callable[[], Any], module: nn.Module) -> Any:

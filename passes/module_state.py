@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from fxpipe.passes.trace_errors import is_internal
+from fxpipe.passes.traced_values import holds_proxy
 
 
 @contextlib.contextmanager
@@ -61,11 +62,14 @@ _STORES = ("_parameters", "_buffers", "_modules")
 class WriteJournal:
     """Module attributes written while it is open (``nn.Module.__setattr__``), undoable.
 
-    A trace attempt that fails is rolled back: the attributes it set on modules (a cache
-    holding traced values, such as torchvision's ``AnchorGenerator.cell_anchors``) are set
-    back too, so the next attempt does not read values of erased nodes. ``recording()``
-    says whether a write is journaled (the tracer's thread while it traces). Writes into
-    containers an attribute holds are not seen.
+    A trace attempt that fails is rolled back: the attributes it set to traced values (a
+    cache, such as torchvision's ``AnchorGenerator.cell_anchors``) are set back too, so the
+    next attempt does not read values of erased nodes. Writes of other values stay: they
+    may record effects the journal cannot undo (transformers' ``_output_capturing_hooks_installed``
+    marks hooks registered on submodules; set back, the next attempt registers them twice
+    and records every hidden state twice). ``recording()`` says whether a write is journaled
+    (the tracer's thread while it traces). Writes into containers an attribute holds are
+    not seen.
     """
 
     def __init__(self, recording: Callable[[], bool]) -> None:
@@ -78,7 +82,7 @@ class WriteJournal:
 
         def journaled(module: nn.Module, name: str, value: Any) -> None:
             # the model's own writes; fx's (the constants it stores on the root) it keeps track of
-            if journal.recording() and not is_internal(sys._getframe(1).f_code.co_filename):
+            if journal.recording() and holds_proxy(value) and not is_internal(sys._getframe(1).f_code.co_filename):
                 journal._entries.append((module, name, *_current(module, name)))
             original(module, name, value)
 

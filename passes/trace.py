@@ -97,8 +97,9 @@ def trace(
         raise SignatureError(f"example inputs do not match {owner}.forward{signature}: {err}") from None
     notes: list[str] = []
     concrete_args = dict(concrete_args or {})
-    for name, value in inference_only_defaults(model, signature, bound, concrete_args).items():
-        concrete_args[name] = value
+    inference_only = inference_only_defaults(model, signature, bound, concrete_args)
+    _with_inference_only(signature, bound, concrete_args, inference_only)
+    for name, value in inference_only.items():
         notes.append(f"{name} left out: traced with {name}={value!r} (an inference-only option; a pipeline's call returns no generation cache)")
     # an argument the example leaves out stays an input (fx needs no value for it); the
     # compiler's bind_inputs then asks for a complete example
@@ -144,15 +145,43 @@ INFERENCE_ONLY = {"use_cache": False}
 def inference_only_defaults(
     model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The inference-only arguments (:data:`INFERENCE_ONLY`) that ``forward`` takes, the
-    call leaves out (neither passed nor in ``concrete_args``) and the model's ``config``
-    does not already set to that value, with the value fx traces them at. Read before the
-    call's defaults are applied."""
+    """The inference-only arguments (:data:`INFERENCE_ONLY`) that the call leaves out
+    (neither passed nor in ``concrete_args``), with the value fx traces them at: those
+    ``forward`` names whose value in the model's ``config`` is not already that, and those
+    a ``forward(**kwargs)`` hands down that the config or one of its sub-configs sets
+    otherwise (a vision-language model's ``text_config.use_cache``). Read before the call's
+    defaults are applied."""
     config = getattr(model, "config", None)
+    passed = {**bound.arguments, **bound.arguments.get(_var_keyword(signature) or "", {})}
     return {
         name: value
         for name, value in INFERENCE_ONLY.items()
-        if name in signature.parameters and name not in bound.arguments and name not in concrete_args
-        and getattr(config, name, None) != value
+        if name not in passed and name not in concrete_args and _left_otherwise(config, signature, name, value)
     }
 
+
+def _left_otherwise(config: Any, signature: inspect.Signature, name: str, value: Any) -> bool:
+    if name in signature.parameters:
+        return getattr(config, name, None) != value
+    if _var_keyword(signature) is None or config is None:
+        return False
+    sub_configs = [v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, name)]
+    return any(getattr(c, name) not in (None, value) for c in (config, *sub_configs) if hasattr(c, name))
+
+
+def _var_keyword(signature: inspect.Signature) -> str | None:
+    """The name of ``forward``'s ``**kwargs`` parameter, or None."""
+    return next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+def _with_inference_only(signature: inspect.Signature, bound: inspect.BoundArguments, concrete_args: dict[str, Any], values: Mapping[str, Any]) -> None:
+    """Put the inference-only ``values`` into ``concrete_args``: a named parameter as
+    itself, one handed down through ``**kwargs`` in that argument's template (after the
+    call's own keyword arguments, whose tensors stay inputs)."""
+    var_keyword = _var_keyword(signature)
+    for name, value in values.items():
+        if name in signature.parameters or var_keyword is None:
+            concrete_args[name] = value
+        else:
+            template = concrete_args.get(var_keyword, bound.arguments.get(var_keyword, {}))
+            concrete_args[var_keyword] = {**template, name: value}

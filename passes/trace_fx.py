@@ -76,6 +76,7 @@ def trace_fx(
     build_output = _identity if tracer.out_spec.is_leaf() else unflatten_with(tracer.out_spec)
     traced = Traced(gm, gm, "fx", checked_binder(spec, key), build_output, key, spec.key, opaque=list(tracer.opaque))
     traced.replay = tracer.example_replay()
+    traced.batch_lengths = list(tracer.batch_lengths)
     return traced
 
 

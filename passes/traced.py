@@ -49,6 +49,9 @@ class Traced:
     opaque: the callees the fx frontend runs whole (``passes/opaque.py``), in trace order.
     replay: the fake replay of the whole graph on the example call, when the frontend made
         one (fx): shape propagation's values, so they need not be computed twice.
+    batch_lengths: the source lines where the fx frontend iterated over a tensor's batch
+        dimension (``list(image_features)``): the graph holds the batch size (a check per
+        micro-batch), so each micro-batch size needs a trace of its own.
     """
 
     graph_module: fx.GraphModule
@@ -61,6 +64,7 @@ class Traced:
     notes: list[str] = field(default_factory=list)
     opaque: list[Any] = field(default_factory=list)
     replay: Any = None
+    batch_lengths: list[str] = field(default_factory=list)
 
 
 def checked_binder(spec: CallSpec, key: TraceKey) -> Callable[[tuple, dict], list]:

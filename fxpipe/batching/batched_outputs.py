@@ -78,7 +78,9 @@ def graph_batched_outputs(part: Any, args: tuple, kwargs: Mapping[str, Any]) -> 
     """Which tensor outputs of the traced program ``part`` (a ``Partitioned``) follow the
     batch of the call ``(args, kwargs)``: its whole partitioned graph replayed on fake tensors
     with the batch-sized inputs at N and at 2N rows. An output is batched when its dim 0 is
-    k x the batch for one k >= 1 at both sizes. Raises what the replay raises."""
+    k x the batch for one k >= 1 at both sizes. The trace's checks of the sizes it branched
+    on are skipped (a trace that iterated over the batch holds the size of a micro-batch,
+    yet its outputs follow the batch). Raises what the replay raises."""
     flat = part.bind_inputs(tuple(args), dict(kwargs))
     n = batch_size((args, kwargs))
     tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -86,7 +88,7 @@ def graph_batched_outputs(part: Any, args: tuple, kwargs: Mapping[str, Any]) -> 
     resolve = resolver(*modules)
     rows = []
     for size in (n, 2 * n):
-        fake_run = FakeReplay(_device_for_skeletons(modules), real_inputs=size == n)
+        fake_run = FakeReplay(_device_for_skeletons(modules), real_inputs=size == n, assumptions=False)
         inputs = [_resized(x, n, size) if any(x is t for t in tensors) else x for x in flat]
         with torch.no_grad():
             out = part.build_output(fake_run.run(part.graph, inputs, resolve))

@@ -83,6 +83,12 @@ def split(values: Any, m: int) -> tuple[list[Any], list[int]]:
     return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)], sizes
 
 
+def first_rows(values: Any, n: int, rows: int) -> Any:
+    """``values`` (any pytree) with every tensor of batch size ``n`` cut to its first ``rows``
+    samples: a call the size of one of its micro-batches."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == n else t, values)
+
+
 def split_step(inputs: Any, target: Any, m: int) -> tuple[list[Any], list[Any], list[int]]:
     """Cut a training step's inputs and target into m micro-batches.
 
@@ -364,8 +370,13 @@ def merge(
     output_merge: Mapping[str, str] | None = None,
     once: frozenset[str] = frozenset(),
     own_loss: list[float] | None = None,
+    batch_lists: bool = False,
 ) -> Any:
     """Put micro-batch outputs (of the model's structure) back together.
+
+    batch_lists: the program iterated over the batch (``Partitioned.batch_lengths``), so a
+    list output may hold one entry per sample (Llava's ``image_outputs.pooler_output``): a
+    list as long as its micro-batch in every micro-batch is joined into one list.
 
     own_loss: the weights of each micro-batch's ``loss`` output (a model's own scalar loss)
     in the step's loss (its token counts' shares): that output is merged as their weighted sum.
@@ -388,19 +399,35 @@ def merge(
     output_merge = output_merge or {}
     if len(outputs) == 1 and not output_merge:
         return outputs[0]
+    if batch_lists and sizes is not None:
+        outputs = [_rows_marked(o, n) for o, n in zip(outputs, sizes)]
     flat = [leaves_with_paths(o) for o in outputs]
     spec = pytree.tree_structure(outputs[0])
     merged = []
     for column in zip(*flat):
         values = [leaf for _, leaf in column]
         path = path_of(column[0][0])
-        if own_loss is not None and path == "loss" and path not in output_merge and isinstance(values[0], torch.Tensor) and values[0].dim() == 0:
+        if isinstance(values[0], _Rows) and all(isinstance(v, _Rows) for v in values):
+            merged.append([item for v in values for item in v.items])
+        elif own_loss is not None and path == "loss" and path not in output_merge and isinstance(values[0], torch.Tensor) and values[0].dim() == 0:
             merged.append(sum(v.to(values[0].device) * w for v, w in zip(values, own_loss)))
         elif path in once and path not in output_merge and isinstance(values[0], torch.Tensor) and not (batched or {}).get(path, False):
             merged.append(values[0])
         else:
             merged.append(_merge_leaf(path, values, sizes, batched, output_merge))
     return pytree.tree_unflatten(merged, spec)
+
+
+class _Rows:
+    """A list output with one entry per sample of its micro-batch (a leaf while merging)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+
+def _rows_marked(output: Any, rows: int) -> Any:
+    """``output`` with every list of ``rows`` entries held as one :class:`_Rows` leaf."""
+    return pytree.tree_map(lambda x: _Rows(x) if type(x) is list and len(x) == rows else x, output, is_leaf=lambda x: type(x) is list and len(x) == rows)
 
 
 def _merge_leaf(path: str, values: list[Any], sizes: list[int] | None, batched: Mapping[str, bool] | None, output_merge: Mapping[str, str]) -> Any:

@@ -225,7 +225,8 @@ def partition_like(
 def _partition_like(first: Partitioned, model: nn.Module, args: tuple, kwargs: Mapping[str, Any], roots_for: Callable[[int], list[nn.Module]]) -> Partitioned:
     """``partition_like``'s work (see there)."""
     plan = first.plan
-    traced, mode = _retrace(model, first.frontend, plan, args, kwargs)
+    traced, mode = _retrace(model, first.frontend, plan, args, kwargs, dynamic_batch=not first.batch_lengths)
+    traced.batch_lengths = traced.batch_lengths or list(first.batch_lengths)  # traced at its batch: no replay at one to tell
     check_generalises(model, traced, args, kwargs, mode=mode)  # writes node.meta["val"]
     graph = traced.graph_module.graph
     if plan.split == "auto":
@@ -285,11 +286,13 @@ def _plain_tensors(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
-def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: Mapping[str, Any]) -> tuple[Any, FakeTensorMode]:
+def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: Mapping[str, Any], dynamic_batch: bool = True) -> tuple[Any, FakeTensorMode]:
     """Trace a skeleton for a call: its tensors made fake where the real ones live, and under
     export the call's too (export then records the right devices; nothing is computed;
-    fx reads the call's own values where a condition asks for them). Returns the trace,
-    whose GraphModule holds those fakes, and their FakeTensorMode."""
+    fx reads the call's own values where a condition asks for them). ``dynamic_batch``:
+    False traces at the call's own batch size (a model that iterates over the batch, even
+    a batch of one). Returns the trace, whose GraphModule holds those fakes, and their
+    FakeTensorMode."""
     devices = getattr(model, "fxpipe_devices", {})
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, Any] = {}
@@ -303,7 +306,7 @@ def _retrace(model: nn.Module, frontend: str, plan: Plan, args: tuple, kwargs: M
         call = (tuple(args), dict(kwargs))
         if frontend != "fx":  # fx traces on the call's own values: they answer conditions on the inputs alone (nothing computed)
             call = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), call)
-    return trace(fake_model, *call, frontend, plan.leaf_modules, plan.concrete_args), mode
+    return trace(fake_model, *call, frontend, plan.leaf_modules, plan.concrete_args, dynamic_batch=dynamic_batch), mode
 
 
 def _cut(
@@ -369,6 +372,7 @@ def _cut(
         model_losses=losses, output_inputs=output_inputs(gm),
         opaque=list(traced.opaque), real_runs=real_runs(gm.graph),
         loss_terms=own_loss_terms(gm, traced.build_output) if losses is not None else [],
+        batch_lengths=list(traced.batch_lengths),
     )
 
 

@@ -58,7 +58,10 @@ class Partitioned:
     that could not run on fake tensors and ran for real at compile time
     (``fxpipe.passes.shape_prop.RealRun``: node, module, target, why), listed there too;
     loss_terms: the names of the terms a model's own loss adds beside its reduced loss
-    calls, computed from its inputs (a router's ``aux_loss``): computed per micro-batch.
+    calls, computed from its inputs (a router's ``aux_loss``): computed per micro-batch;
+    batch_lengths: where the trace iterated over the batch (``Traced.batch_lengths``): the
+    stages hold the batch size, and a pipeline runs each micro-batch size on a trace of
+    its own.
     """
 
     plan: Plan
@@ -81,6 +84,7 @@ class Partitioned:
     opaque: list[Any] = field(default_factory=list)
     real_runs: list[Any] = field(default_factory=list)
     loss_terms: list[str] = field(default_factory=list)
+    batch_lengths: list[str] = field(default_factory=list)
     # (micro-batch size, memory profile) by (recompute, offload) per stage: shared by copies made with replace()
     profiles: dict = field(default_factory=dict, repr=False)
     _schedules: dict[tuple[int, bool], Schedule] = field(default_factory=dict, init=False, repr=False, compare=False)

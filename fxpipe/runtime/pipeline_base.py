@@ -335,6 +335,18 @@ class PipelineBase(PipelineViews):
             self._programs[key] = program
         return self._programs[key]
 
+    def _program_of_rows(self, args: tuple, kwargs: dict, total: int, rows: int) -> Program:
+        """The compiled stages for micro-batches of ``rows`` samples of this call, for a
+        trace that holds the batch size (``part.batch_lengths``): traced and cut on the
+        call's first ``rows`` samples, once per size and mode."""
+        key = (self.part.key_of(args, kwargs).batch_free(), self.training, rows)
+        if key not in self._programs:
+            head = microbatch.first_rows((args, kwargs), total, rows)
+            program = self._compile_program(*head)
+            program.train(self.training)
+            self._programs[key] = program
+        return self._programs[key]
+
     def _compile_program(self, args: tuple, kwargs: dict) -> Program:
         raise NotImplementedError
 
@@ -426,7 +438,11 @@ class PipelineBase(PipelineViews):
         cuts = [microbatch.split_step(f, t, m) for f, t in shards]
         inputs, targets, sizes = cuts[self.replica]
         first = self.replica * len(inputs)
-        batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), [program] * len(inputs))
+        programs = [program] * len(inputs)
+        if program.part.batch_lengths:  # a trace per micro-batch size (it holds the batch)
+            programs = [self._program_of_rows(args, kwargs, total, n) for n in sizes]
+            _check_same_edges(programs)
+        batch = Batch(inputs, targets, sizes, total, first, shards[self.replica][0], (args, kwargs), programs)
         batch.step = [(f, t, n) for cut in cuts for f, t, n in zip(*cut)]
         batch.baked = _baked_batch(program, microbatch.batch_size(flat), sizes)
         return batch
@@ -645,10 +661,15 @@ class PipelineBase(PipelineViews):
         key = microbatch.structure(batch.whole)
         if key not in self._batched:
             args, kwargs = batch.call
+            if batch.program.part.batch_lengths:  # its trace holds a micro-batch's size: ask at that size
+                args, kwargs = microbatch.first_rows((args, kwargs), microbatch.batch_size((args, kwargs)), batch.sizes[0])
             self._batched[key] = self._compiler.batched_outputs(self._model, args, kwargs, batch.program.part)
             microbatch.check_output_merge(self.plan.output_merge, self._batched[key])
         once = microbatch.unbatched_paths(values[0], batch.program.part.output_inputs, batch.whole)
-        return microbatch.merge(values, batch.sizes, self._batched[key], self.plan.output_merge, once, self._own_loss_weights(batch))
+        return microbatch.merge(
+            values, batch.sizes, self._batched[key], self.plan.output_merge, once, self._own_loss_weights(batch),
+            batch_lists=bool(batch.program.part.batch_lengths),
+        )
 
     def _own_loss_weights(self, batch: Batch) -> list[float] | None:
         """Each micro-batch's weight in the model's own loss as ``step`` weighs it: its share
