@@ -15,6 +15,8 @@ hosts, or rank 0's), under a prefix per pipeline. Three things go through it:
   failure it raises that one; when nothing arrived within the plan's timeout, or a link
   broke, :meth:`Watchdog.culprit` follows the published waits from the ranks it waited
   for to the one that is stuck running, or whose heartbeat stopped, and records that rank.
+  The first record is copied to the job-wide key a launcher reads
+  (:mod:`fxpipe.distributed.blame`), where each rank also publishes its process id.
 
 Blame is exact because every wait says whom it waits for: a receive names its peer rank
 and the stage whose output it needs, a collective its group. A rank that is alive and
@@ -36,6 +38,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fxpipe.distributed.blame import publish_culprit, publish_pid
 from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
 from fxpipe.distributed.signing import publish_first, read_verified, sign, verify
 from fxpipe.distributed.teardown import end_at_exit, note_failure, retire
@@ -98,6 +101,7 @@ class Watchdog:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._beacon = Beacon(store, f"{prefix}state/{rank}")
+        publish_pid(store, rank)
         _LIVE.add(self)
 
     def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
@@ -189,6 +193,8 @@ class Watchdog:
         note_failure(message)
         try:
             data = json.loads(publish_first(self.store, self.key, _encode(message, rank, stage)))
+            if data["rank"] is not None:
+                publish_culprit(self.store, data["rank"], data["message"])
         except Exception:  # noqa: BLE001 - the store itself may be gone: keep our own report
             return RankFailedError(message, rank, stage)
         return RankFailedError(data["message"], data["rank"], data["stage"])
