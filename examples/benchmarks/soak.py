@@ -24,9 +24,10 @@ forward on one rank (rank 1, 2, ... in turn; ``nan`` with ``Plan(check_finite=Tr
 
 - aborts among the survivors: a rank ended by SIGABRT ("terminate called ...", the agent's
   exit code -6): the faulted rank is not a survivor, but none of these may abort either;
-- right blame: the launcher's summary names the faulted rank ("rank R failed first, as the
-  ranks named it") and the job's exit status is that rank's (1 after raise or nan, 137
-  when SIGKILL ended it: kill, or stop once the launcher ended it);
+- right blame: the launcher's summary names the faulted rank ("rank R failed first", as
+  the ranks named it, or as the first to exit when it died before they could) and the
+  job's exit status is that rank's (1 after raise or nan, 137 when SIGKILL ended it:
+  kill, or stop once the launcher ended it);
 - seconds from the fault (logged by the injector) to the launcher's exit, against the goal
   of ``Plan.timeout`` + 10 s.
 
@@ -173,7 +174,7 @@ def run_fault_job(kind: str, ranks: int, rank: int, plan_timeout: float, timeout
         job, _ = run_job(job_command("fxpipe", model, 3, ranks, plan_timeout), timeout, env)
         end = time.time()
         struck = json.loads(open(log).readline())["time"] if os.path.exists(log) else None
-    found = re.search(r"python -m fxpipe\.distributed: rank (\d+) failed first, as the ranks named it", job.stderr)
+    found = re.search(r"python -m fxpipe\.distributed: rank (\d+) failed first", job.stderr)
     aborted = job.kind == "abort"
     return FaultJob(kind, ranks, rank, aborted, int(found.group(1)) if found else None, job.returncode,
                     end - struck if struck is not None else None, job.stderr)
