@@ -56,3 +56,37 @@ def test_the_launcher_blames_and_ends_a_stopped_middle_rank_of_four() -> None:
     [job] = soak.fault_soak(["stop"], [4], 1, PLAN_TIMEOUT, 180.0, "mlp")
     assert not job.aborted and job.right_blame and job.rank == 1, (job.blamed, job.returncode, job.stderr[-4000:])
     assert job.seconds is not None and job.seconds < PLAN_TIMEOUT + soak.GOAL, job.seconds
+
+
+BLOCKED_AT_EXIT = """
+import os, sys, threading, time, torch, torch.distributed as dist
+from fxpipe.distributed import teardown
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    work = dist.irecv(torch.zeros(4), 0)  # rank 0 never sends: the wait ends when rank 0 exits
+    thread = threading.Thread(target=work.wait, daemon=True)
+    thread.start()
+    dist.barrier()
+    if sys.argv[1] == "retire":
+        teardown.retire(thread, 0.1)  # what fxpipe's watchdog does with its threads at exit
+else:
+    dist.barrier()
+    time.sleep(0.5)
+    os._exit(0)  # ends abruptly (killed, or as a failed rank ends) while rank 1 finalises
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_thread_blocked_on_a_peer_at_exit_aborts_unless_fxpipe_retired_it(tmp_path: Path) -> None:
+    """The cause of the survivors' exit 134: a daemon thread in a gloo wait that wakes while
+    the interpreter finalises. Left alone it aborts the rank; retired through
+    fxpipe.distributed.teardown, the rank ends without teardown, status 0."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_AT_EXIT)
+    ended = {}
+    for how in ("plain", "retire"):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), how],
+                             capture_output=True, text=True, timeout=90)
+        ended[how] = (run.returncode, "terminate called without an active exception" in run.stderr, run.stderr[-3000:])
+    assert ended["plain"][:2] != (0, False), ended["plain"]  # the abort this guards against
+    assert ended["retire"][:2] == (0, False), ended["retire"]

@@ -42,7 +42,10 @@ def _root(store: Any) -> Any:
 def publish_pid(store: Any, rank: int) -> None:
     """Publish this process's id as ``rank``'s, for the launcher to end it if it stops."""
     key = PID_KEY.format(rank=rank)
-    _root(store).set(key, sign(key, str(os.getpid())))
+    try:
+        _root(store).set(key, sign(key, str(os.getpid())))
+    except Exception:  # noqa: BLE001 - a store already gone: the watchdog's first wait names its host
+        pass
 
 
 def publish_culprit(store: Any, rank: int, message: str) -> None:

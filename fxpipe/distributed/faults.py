@@ -41,7 +41,7 @@ from typing import Any
 from fxpipe.distributed.blame import publish_culprit, publish_pid
 from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
 from fxpipe.distributed.signing import publish_first, read_verified, sign, verify
-from fxpipe.distributed.teardown import end_at_exit, note_failure, retire
+from fxpipe.distributed.teardown import note_failure, retire
 
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
 _GRACE = 1.0  # seconds to wait for a failing peer's own report before blaming the link
@@ -420,8 +420,7 @@ _EXIT_JOIN = 0.5  # seconds a thread gets to end at exit: after a step returned,
 
 @atexit.register
 def _close_all() -> None:
-    """Join every watchdog's threads before the interpreter finalises; end the process at
-    once if one is blocked on a failed peer or a rank failed (:mod:`fxpipe.distributed.teardown`)."""
+    """Join every watchdog's threads before the interpreter finalises (then, registered
+    earlier, :func:`fxpipe.distributed.teardown.end_at_exit` runs)."""
     for watchdog in list(_LIVE):
         watchdog.close(_EXIT_JOIN)
-    end_at_exit()

@@ -24,6 +24,7 @@ fxpipe) do not run then.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -65,10 +66,12 @@ def exit_status() -> int:
     return 1 if getattr(sys, "last_value", None) is not None else 0
 
 
+@atexit.register
 def end_at_exit() -> None:
     """At exit: end the process now, without finalising the interpreter, when a thread of
     fxpipe's is still blocked in C++ or a distributed failure happened (see the module
-    docstring); otherwise return."""
+    docstring); otherwise return. Registered when this module is imported, before the
+    modules that retire threads register theirs, so it runs after them."""
     if not _FAILED and not blocked():
         return
     logging.shutdown()
