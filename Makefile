@@ -84,9 +84,13 @@ faults: $(STAMP)
 	$(BIN)/python examples/benchmarks/faults.py
 
 # 200 short 2-rank torchrun jobs under a busy loop per core, counting clean exits, aborts
-# (SIGABRT at exit), other failures and hangs; tests/test_soak.py runs a 6-job sample
+# (SIGABRT at exit), other failures and hangs; then 40 faulted jobs (raise, nan, kill, stop x
+# 2 and 4 ranks x 5), counting aborts among the survivors, right blame in the launcher's
+# summary and exit status, and seconds from the fault to the job's end; tests/test_soak.py
+# runs a 3-job clean sample and 2 faulted jobs (raise, stop on 2 ranks)
 soak: $(STAMP)
 	$(BIN)/python examples/benchmarks/soak.py
+	$(BIN)/python examples/benchmarks/soak.py --faults raise,nan,kill,stop --ranks 2,4 --repeats 5 --no-load
 
 # every output quoted in docs/tutorial.md, docs/inspection.md and docs/examples.md, printed
 # again by its command and rewritten in place, with the pictures those commands draw

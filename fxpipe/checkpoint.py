@@ -60,15 +60,28 @@ class CheckpointError(RuntimeError):
 
 
 # ------------------------------------------------------------------ saving
-def save_checkpoint(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, extra: Any = None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike,
+    pipe: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    extra: Any = None,
+    keep: int = 1,
+) -> None:
     """Write ``pipe``'s model state (and ``optimizer``'s, ``scheduler``'s, ``extra``) to the
     directory ``path``, replacing a checkpoint there only once the new one is complete.
 
     Every process of a distributed pipeline must call it (DCP's collectives). ``extra``: any
     picklable object (a step count, RNG states), returned by :func:`load_checkpoint`.
+    ``keep``: how many checkpoints to keep, the newest at ``path``: the one it replaces
+    becomes ``<path>.1``, an older ``<path>.1`` becomes ``<path>.2``, and so on up to
+    ``<path>.<keep - 1>`` (each loadable as a checkpoint of its own); 1 keeps only the newest.
     Raises CheckpointError when the optimizer holds state for a parameter that is not one
-    of the pipeline's model's, or when the directory cannot be written.
+    of the pipeline's model's, or when the directory cannot be written; ValueError when
+    ``keep`` is not a positive integer.
     """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"save_checkpoint(keep={keep!r}): give how many checkpoints to keep, an integer >= 1 (1: only the newest)")
     path = os.path.abspath(os.fspath(path))
     staging = path + ".saving"
     state = _model_entries(pipe)
@@ -81,7 +94,7 @@ def save_checkpoint(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.O
     _on_first_rank(lambda: shutil.rmtree(staging, ignore_errors=True))  # a save killed earlier
     with _one_process_quietly():
         dcp.save(state, storage_writer=_PausingWriter(staging), no_dist=not _distributed())
-    _on_first_rank(lambda: _finish(staging, path))
+    _on_first_rank(lambda: _finish(staging, path, keep))
 
 
 def _model_entries(pipe: Any) -> dict[str, Any]:
@@ -113,23 +126,39 @@ def _optimizer_entries(pipe: Any, optimizer: torch.optim.Optimizer) -> dict[str,
     return entries
 
 
-def _finish(staging: str, path: str) -> None:
-    """Hash the written files into the manifest, then put ``staging`` in ``path``'s place."""
+def _finish(staging: str, path: str, keep: int) -> None:
+    """Hash the written files into the manifest, then put ``staging`` in ``path``'s place;
+    the checkpoint it replaces is kept as ``<path>.1`` when ``keep`` > 1 (:func:`_retire`)."""
     _write_manifest(staging)
     _pause("swap")
     if os.path.exists(path):
         if _exchange(staging, path):
-            shutil.rmtree(staging)
+            _retire(staging, path, keep)
         else:
             old = path + ".old"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
             os.rename(staging, path)
-            shutil.rmtree(old)
+            _retire(old, path, keep)
     else:
         os.rename(staging, path)
         shutil.rmtree(path + ".old", ignore_errors=True)  # a save killed between its two renames left it
     _sync_directory(os.path.dirname(path))
+
+
+def _retire(replaced: str, path: str, keep: int) -> None:
+    """The checkpoint just replaced (now at ``replaced``) becomes ``<path>.1``, the older ones
+    move up one number, the one past ``<path>.<keep - 1>`` is deleted; with ``keep`` 1 the
+    replaced one is deleted. Only renames: a process killed here loses at most the replaced
+    checkpoint (the next save clears ``replaced``), never the one at ``path``."""
+    if keep == 1:
+        shutil.rmtree(replaced)
+        return
+    shutil.rmtree(f"{path}.{keep - 1}", ignore_errors=True)
+    for k in range(keep - 2, 0, -1):
+        if os.path.exists(f"{path}.{k}"):
+            os.rename(f"{path}.{k}", f"{path}.{k + 1}")
+    os.rename(replaced, f"{path}.1")
 
 
 def _write_manifest(directory: str) -> None:

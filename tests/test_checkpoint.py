@@ -238,3 +238,19 @@ def test_without_an_atomic_exchange_two_renames_keep_the_previous_checkpoint_rea
     assert fxpipe.load_checkpoint(path, pipe) == {"step": 2}
     fxpipe.save_checkpoint(path, pipe, extra={"step": 3})
     assert fxpipe.load_checkpoint(path, pipe) == {"step": 3} and not (tmp_path / "ckpt.old").exists()
+
+
+def test_keep_holds_the_newest_checkpoints_each_loadable_and_refuses_a_bad_count(tmp_path) -> None:
+    pipe, opt, sched = trainer(TiedLM(), TWO)
+    path = tmp_path / "ckpt"
+    for step in range(1, 5):
+        fxpipe.save_checkpoint(path, pipe, optimizer=opt, extra={"step": step}, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.1", "ckpt.2"]
+    assert [fxpipe.load_checkpoint(tmp_path / name, pipe, optimizer=opt) for name in ("ckpt", "ckpt.1", "ckpt.2")] == [
+        {"step": 4}, {"step": 3}, {"step": 2}
+    ]
+    fxpipe.save_checkpoint(path, pipe, extra={"step": 5})  # keep=1: the replaced one is deleted, older ones stay
+    assert fxpipe.load_checkpoint(path, pipe) == {"step": 5} and fxpipe.load_checkpoint(tmp_path / "ckpt.1", pipe) == {"step": 3}
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="an integer >= 1"):
+            fxpipe.save_checkpoint(path, pipe, keep=bad)

@@ -332,3 +332,46 @@ def test_a_dead_replica_is_named_by_the_ranks_sharing_its_stage_and_the_others()
     assert list(info.value.errors) == [2], info.value
     for rank, got in info.value.results.items():
         assert got["rank"] == 2 and "rank 2" in got["message"] and got["elapsed"] < 20, (rank, got)
+
+
+def optimizer_on_the_model(name: str, plan: dict, steps: int = 3) -> dict:
+    """SGD on ``model.parameters()`` (built after compiling, as with FSDP2's fully_shard)
+    against eager: each step's loss error; whether the model now holds the pipeline's
+    sharded parameters (and which of its names lead to them)."""
+    model = model_of(name)
+    ids, t = data(vocab=11 if name == "tied" else 20, classes=11 if name == "tied" else 3)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    errors = []
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.step(ids, target=t)
+        eager = eager_microbatch_step(ref, (ids,), t, CE, plan["microbatches"] * plan["data_parallel"])
+        errors.append(abs(float(loss) - float(eager)))
+        opt.step()
+        ref_opt.step()
+    own = {id(p) for p in model.parameters()}
+    return {
+        "loss": errors,
+        "own": all(id(p) in own for p in pipe.parameters()),
+        "sharded": [n for n, p in model.named_parameters() if isinstance(p, DTensor)],
+        "tied": model.head.weight is model.emb.weight if name == "tied" else True,
+    }
+
+
+def own_parameter_cases() -> dict:
+    one_stage = dict(devices=["cpu:0"], split=[], microbatches=2, data_parallel=2, fsdp=True)
+    return {"tied": optimizer_on_the_model("tied", one_stage), "mixed": optimizer_on_the_model("mixed", one_stage)}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_an_optimizer_on_the_models_parameters_trains_the_sharded_pipeline_as_eager() -> None:
+    """Plan(fsdp=True) on 2 ranks (1 stage x 2 replicas): the model holds the sharded
+    parameters the pipeline trains, so SGD on model.parameters() follows eager, float64."""
+    for rank, cases in enumerate(launch(own_parameter_cases, 2, timeout=LAUNCH_TIMEOUT)):
+        for name, got in cases.items():
+            assert max(got["loss"]) < 1e-12, (rank, name, got)
+            assert got["own"] and got["sharded"] and got["tied"], (rank, name, got)

@@ -15,6 +15,8 @@ hosts, or rank 0's), under a prefix per pipeline. Three things go through it:
   failure it raises that one; when nothing arrived within the plan's timeout, or a link
   broke, :meth:`Watchdog.culprit` follows the published waits from the ranks it waited
   for to the one that is stuck running, or whose heartbeat stopped, and records that rank.
+  The first record is copied to the job-wide key a launcher reads
+  (:mod:`fxpipe.distributed.blame`), where each rank also publishes its process id.
 
 Blame is exact because every wait says whom it waits for: a receive names its peer rank
 and the stage whose output it needs, a collective its group. A rank that is alive and
@@ -36,8 +38,10 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fxpipe.distributed.blame import publish_culprit, publish_pid
 from fxpipe.distributed.heartbeat import BEAT, Beacon, Doing, read_states
 from fxpipe.distributed.signing import publish_first, read_verified, sign, verify
+from fxpipe.distributed.teardown import note_failure, retire
 
 _POLL = 0.2  # seconds between looks at the store while a wait is pending
 _GRACE = 1.0  # seconds to wait for a failing peer's own report before blaming the link
@@ -110,6 +114,7 @@ class Watchdog:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._beacon = Beacon(store, f"{prefix}state/{rank}")
+        publish_pid(store, rank)
         _LIVE.add(self)
 
     def assign(self, where: Callable[[int, int | None], str], first_stage: Callable[[int], int]) -> None:
@@ -198,8 +203,11 @@ class Watchdog:
     def report(self, message: str, rank: int | None, stage: int | None = None) -> RankFailedError:
         """Record a failure (unless one already is) and return the error for the first one."""
         self._beacon.set(Doing("failed", message[:200]))
+        note_failure(message)
         try:
             data = json.loads(publish_first(self.store, self.key, _encode(message, rank, stage)))
+            if data["rank"] is not None:
+                publish_culprit(self.store, data["rank"], data["message"])
         except Exception:  # noqa: BLE001 - the store itself may be gone: keep our own report
             return RankFailedError(message, rank, stage)
         return RankFailedError(data["message"], data["rank"], data["stage"])
@@ -212,14 +220,17 @@ class Watchdog:
             if payload is None:
                 return None
             data = json.loads(payload)
+            failure = RankFailedError(data["message"], data["rank"], data["stage"])
         except Exception as err:  # noqa: BLE001 - an unreachable store means its host died
-            if self.store_host is not None and self.store_host != self.rank:
-                host = self.store_host
-                return RankFailedError(
-                    f"{self._name(host)} died: it hosts the rendezvous store, which stopped answering ({err})", host, self.first_stage(host)
-                )
-            return RankFailedError(f"the rendezvous store is unreachable ({err}); its host process died", None, None)
-        return RankFailedError(data["message"], data["rank"], data["stage"])
+            failure = self._store_lost(err)
+        note_failure(str(failure))
+        return failure
+
+    def _store_lost(self, err: BaseException) -> RankFailedError:
+        if self.store_host is not None and self.store_host != self.rank:
+            host = self.store_host
+            return RankFailedError(f"{self._name(host)} died: it hosts the rendezvous store, which stopped answering ({err})", host, self.first_stage(host))
+        return RankFailedError(f"the rendezvous store is unreachable ({err}); its host process died", None, None)
 
     # ------------------------------------------------------------------ waiting
     @contextlib.contextmanager
@@ -329,13 +340,14 @@ class Watchdog:
         """Stop the heartbeat and the wait thread and join them (idempotent; also at exit).
 
         Waits already handed to the thread finish first: after a step returned, none is
-        pending. A daemon thread left inside a C++ call when the interpreter finalises
-        aborts the process, so no fxpipe thread outlives this."""
+        pending. After a failure the thread may wait forever on a peer that failed; it is
+        then left to :mod:`fxpipe.distributed.teardown`, which ends the process at exit
+        before that thread can abort it."""
         self._beacon.close(timeout)
         thread, self._thread = self._thread, None
         if thread is not None and thread.is_alive():
             self._jobs.put(None)
-            thread.join(timeout)
+            retire(thread, timeout)
         _LIVE.discard(self)
 
     def _serve(self) -> None:
@@ -410,8 +422,12 @@ class Watchdog:
 _LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
 
+_EXIT_JOIN = 0.5  # seconds a thread gets to end at exit: after a step returned, it ends at once
+
+
 @atexit.register
 def _close_all() -> None:
-    """Join every watchdog's threads before the interpreter finalises (see Watchdog.close)."""
+    """Join every watchdog's threads before the interpreter finalises (then, registered
+    earlier, :func:`fxpipe.distributed.teardown.end_at_exit` runs)."""
     for watchdog in list(_LIVE):
-        watchdog.close()
+        watchdog.close(_EXIT_JOIN)

@@ -213,6 +213,18 @@ class ShardedStages:
             group.reduce_grads()
 
 
+def hand_to_model(model: nn.Module, params: Mapping[str, nn.Parameter], aliases: Mapping[str, list[str]]) -> None:
+    """Make the sharded parameters the pipeline trains the model's own: each of ``params``
+    (model name -> this rank's sharded parameter) is set on the model's module under every
+    name of it (``aliases``), as FSDP2's ``fully_shard`` sets the shards on the modules it
+    shards. An optimizer built on ``model.parameters()`` after compiling then updates what
+    the pipeline reads; the parameters of other ranks' stages stay as they were."""
+    for name, param in params.items():
+        for alias in aliases.get(name, [name]):
+            owner, _, leaf = alias.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, param)
+
+
 def _state(unit: FSDPModule) -> Any:
     """FSDP's state of a unit, for the two steps FSDP2 has no public call for: initialising
     before the unit's first forward, and reducing by hand."""

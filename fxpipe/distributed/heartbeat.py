@@ -15,7 +15,6 @@ verify reads as absent.
 
 from __future__ import annotations
 
-import atexit
 import json
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.distributed.signing import sign, verify
+from fxpipe.distributed.teardown import retire
 
 BEAT = 0.5  # seconds between a rank's writes when nothing changes
 _MIN_GAP = 0.02  # seconds between two writes at least
@@ -59,17 +59,14 @@ class Beacon:
             target=_publish, args=(weakref.ref(self), self._changed, self._stopped), name="fxpipe-heartbeat", daemon=True
         )
         self._thread.start()
-        _LIVE.add(self)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop publishing and join the thread (idempotent). A daemon thread still inside
-        the store's C++ client when the interpreter finalises aborts the process
-        ("terminate called without an active exception"), so this runs at exit too."""
+        """Stop publishing and join the thread (idempotent). A thread still inside the
+        store's C++ client after ``timeout`` seconds (a stopped store host) is left to
+        :mod:`fxpipe.distributed.teardown`, which keeps it from aborting the process at exit."""
         self._stopped.set()
         self._changed.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        _LIVE.discard(self)
+        retire(self._thread, timeout)
 
     def set(self, doing: Doing, exact_stage: bool = False) -> None:
         """Make ``doing`` this rank's state; the thread publishes it within ``_MIN_GAP``.
@@ -119,16 +116,6 @@ def _publish(beacon: weakref.ref, changed: threading.Event, stopped: threading.E
         if stopped.wait(_MIN_GAP):
             return
         changed.wait(BEAT - _MIN_GAP)
-
-
-_LIVE: weakref.WeakSet[Beacon] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    """Join every heartbeat thread before the interpreter finalises (see Beacon.close)."""
-    for beacon in list(_LIVE):
-        beacon.close()
 
 
 def read_states(store: Any, prefix: str, world: int) -> dict[int, dict | None]:

@@ -21,7 +21,8 @@ Safe on a shared machine:
   ``sys.path`` instead. The children themselves run with the parent's ``sys.path``.
 - **A failure ends the job.** When a rank raises or dies, the others get ``grace``
   seconds to finish (long enough for fxpipe's watchdog to name the culprit on every
-  rank), then are ended; :class:`LaunchError` names the rank that failed first.
+  rank), then are ended; :class:`LaunchError` names the rank that failed first, as the
+  ranks named it (:mod:`fxpipe.distributed.blame`).
 
 Why not ``torch.distributed.launcher.api.elastic_launch``? It ends the other workers on
 the first failure and reports the root cause, and ``python -m fxpipe.distributed``
@@ -50,6 +51,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fxpipe.distributed.blame import read_culprit
 from fxpipe.distributed.signing import SECRET_ENV, new_secret
 
 LOOPBACK = "127.0.0.1"
@@ -193,15 +195,17 @@ def launch(
 
     When a rank raises or dies, the others have ``grace`` seconds to finish, then are
     ended (SIGTERM, then SIGKILL); ranks still running after ``timeout`` seconds are
-    killed. Raises LaunchError naming the rank that failed first, with every failed
-    rank's traceback or exit code.
+    killed. Raises LaunchError naming the rank that failed first (the one the ranks named,
+    :mod:`fxpipe.distributed.blame`, else the first to fail), with every failed rank's
+    traceback or exit code.
     """
     store = job_store(address)
     connect = LOOPBACK if _ip(address).is_unspecified else address  # "0.0.0.0": every interface
     ctx = _forkserver([fn.__module__])
+    secret = new_secret()
     base = {
         **os.environ,
-        **private_environment(address, new_secret()),
+        **private_environment(address, secret),
         "MASTER_ADDR": connect,
         "MASTER_PORT": str(store.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -222,6 +226,7 @@ def launch(
             procs.append(proc)
             conns.append(reader)
         results, errors, first = _collect(procs, conns, timeout, grace)
+        first = _named_first(store, secret, errors, first)
     finally:
         for proc in procs:
             _end(proc)
@@ -229,6 +234,12 @@ def launch(
     if errors:
         raise LaunchError(errors, results, first)
     return [results[r] for r in range(nprocs)]
+
+
+def _named_first(store: Any, secret: str, errors: dict[int, str], first: int | None) -> int | None:
+    """The failed rank the ranks named (they know better than the order of exits), else ``first``."""
+    named = read_culprit(store, secret)
+    return named.rank if named is not None and named.rank in errors else first
 
 
 def _collect(procs: list[Any], conns: list[Any], timeout: float, grace: float) -> tuple[dict[int, Any], dict[int, str], int | None]:

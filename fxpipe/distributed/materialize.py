@@ -153,9 +153,10 @@ def materialize(
 
     modules: stage index -> stage module (referencing the user's model, possibly on meta);
     aliases: every name of each tensor of the model (tied weights have several); own:
-    whether the copies hold the model's own (real) tensors, moved in place, or copies of
-    them (FSDP replaces the parameters by their shards: the model's own, moved, would
-    keep whole copies on the device).
+    whether the copies hold the model's own (real) parameters, moved in place, or copies of
+    them (FSDP replaces the parameters by their shards, which the model then takes,
+    :func:`fxpipe.distributed.fsdp.hand_to_model`: the model's own, moved, would keep whole
+    copies on the device). Buffers are the model's own, moved, either way.
     Tensors shared between the stages stay shared. Raises MaterializeError naming the
     stage and tensor that no checkpoint entry or ``reset_parameters`` fills.
     """
@@ -170,7 +171,7 @@ def materialize(
                     if tensor.is_meta:
                         memo[id(tensor)] = _allocated(tensor, device)
                         fresh[id(memo[id(tensor)])] = (s, f"{path}.{name}" if path else name)
-                    elif own:
+                    elif own or slot is sub._buffers:
                         move_in_place(tensor, device)
                         memo[id(tensor)] = tensor  # the model's own object
                     else:

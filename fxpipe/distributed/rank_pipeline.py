@@ -28,7 +28,15 @@ from fxpipe.distributed import comm, startup
 from fxpipe.distributed import gathered_timeline as gathered
 from fxpipe.distributed.executor import RankExecutor
 from fxpipe.distributed.faults import RankFailedError, Watchdog
-from fxpipe.distributed.fsdp import ShardedStages, full, load_into, local, reshard_choice, untie
+from fxpipe.distributed.fsdp import (
+    ShardedStages,
+    full,
+    hand_to_model,
+    load_into,
+    local,
+    reshard_choice,
+    untie,
+)
 from fxpipe.distributed.grads import GradAverager, TiedGrads, average_buffers
 from fxpipe.distributed.layout import init_process_group, make_layout, make_mesh, rank_device
 from fxpipe.distributed.materialize import Weights, materialize
@@ -152,7 +160,8 @@ class DistributedPipeline(PipelineBase):
 
     def _shard(self, part: Partitioned, model: nn.Module, aliases: dict[str, list[str]]) -> None:
         """Each of this rank's stages made an FSDP unit over its replicas (``plan.fsdp``):
-        the model's names then lead to the sharded parameters."""
+        the model's names then lead to the sharded parameters, which the model itself then
+        holds (:func:`~fxpipe.distributed.fsdp.hand_to_model`)."""
         reshard = self._agreed(reshard_choice(part, self.local_stages, self.layout.replicas))
         peers = [r for r in dist.get_process_group_ranks(self._dp_group) if r != self.rank]
         collective = lambda what, stage: self.watchdog.collective(what, peers, stage)  # noqa: E731
@@ -160,6 +169,7 @@ class DistributedPipeline(PipelineBase):
         held = held_tensors(self._modules, aliases)
         self._params, self._state = model_names(model, held, aliases)
         self._sharded.tied = [TiedGroup(name, ts[0], ts[1:]) for name, ts in held.items() if len(ts) > 1]
+        hand_to_model(model, self._params, aliases)
 
     def _agreed(self, reshard: dict[int, bool]) -> dict[int, bool]:
         """``reshard`` as every replica of this rank's stages has it (a stage frees its

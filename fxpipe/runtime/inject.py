@@ -1,4 +1,4 @@
-"""Fault injection, a testing tool: kill, hang, raise or return NaN at a chosen action.
+"""Fault injection, a testing tool: kill, stop, hang, raise or return NaN at a chosen action.
 
 Off unless asked. ``FXPIPE_INJECT`` lists the faults, one or more separated by ``;``::
 
@@ -9,6 +9,9 @@ Each fault is ``KIND:action=A[:rank=R][:step=N][:seconds=S]``:
 
 - ``kill``: the process sends itself SIGKILL (distributed runs only: the local executor
   ignores it, since it would end the caller too);
+- ``stop``: the process sends itself SIGSTOP, as a rank frozen by a debugger, a swapped-out
+  host or a hung driver (distributed runs only, as ``kill``): alive to the operating
+  system, silent to its peers, until something kills it;
 - ``hang``: the action sleeps ``seconds`` (default 3600) before it runs;
 - ``raise``: the action raises :class:`InjectedFault`;
 - ``nan``: every floating tensor the stage's forward returns becomes NaN (F actions only);
@@ -48,7 +51,8 @@ import torch.utils._pytree as pytree
 
 ENV = "FXPIPE_INJECT"
 LOG_ENV = "FXPIPE_INJECT_LOG"
-KINDS = ("kill", "hang", "raise", "nan")
+KINDS = ("kill", "stop", "hang", "raise", "nan")
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}  # sent to this process
 _ACTION = re.compile(r"^[A-Z]\d+:\d+$")
 _FIELD = re.compile(r"(\w+)=(.*?)(?=:\w+=|$)")
 
@@ -124,21 +128,21 @@ class Faults:
 
     def fire(self, action: Any, module: torch.nn.Module, rank: int | None = None) -> None:
         """Strike ``action`` (an Action) if a fault is armed for it: kill, hang or raise
-        here; for ``nan``, poison the outputs of ``module``'s next forward. ``rank``: this
-        process's rank, None in the local executor (rank filters and kill faults then do
-        not apply). Raises InjectedFault for a ``raise`` fault."""
+        here (or stop); for ``nan``, poison the outputs of ``module``'s next forward. ``rank``:
+        this process's rank, None in the local executor (rank filters, kill and stop faults
+        then do not apply). Raises InjectedFault for a ``raise`` fault."""
         for fault in self.by_action.get(str(action), ()):
             if rank is not None and fault.rank is not None and fault.rank != rank:
                 continue
-            if rank is None and fault.kind == "kill":
+            if rank is None and fault.kind in _SIGNALS:
                 continue
             with self._lock:
                 fault.reached += 1
                 if fault.reached != fault.step:
                     continue
             _log(fault, rank)
-            if fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind in _SIGNALS:
+                os.kill(os.getpid(), _SIGNALS[fault.kind])
             elif fault.kind == "hang":
                 time.sleep(fault.seconds)
             elif fault.kind == "raise":
