@@ -13,14 +13,19 @@ import copy
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch._functorch.aot_autograd import aot_function
 
 import fxpipe
 from fxpipe.plan import PlanError
+from fxpipe.runtime import split_backward
+from fxpipe.runtime.runner import StageRunner
 
 
 class Block(nn.Module):
@@ -90,6 +95,74 @@ def test_compiled_1f1b_stages_equal_eager_in_float64_with_recompute_and_dropout_
     summary = pipe.summary()
     assert re.search(r"stage 0: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
     assert re.search(r"stage 1: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
+
+
+class _WeightGradWatch:
+    """Counts the weight gradients compiled stages add, and those added outside a "W"."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.added = self.outside_w = 0
+        self._in_w = threading.local()
+        accumulate, backward_weight = split_backward.accumulate, StageRunner.backward_weight
+
+        def counted(param: torch.Tensor, grad: torch.Tensor) -> None:
+            self.added += 1
+            self.outside_w += not getattr(self._in_w, "on", False)
+            accumulate(param, grad)
+
+        def weight_action(runner: StageRunner, *args) -> None:
+            self._in_w.on = True
+            try:
+                backward_weight(runner, *args)
+            finally:
+                self._in_w.on = False
+
+        monkeypatch.setattr(split_backward, "accumulate", counted)
+        monkeypatch.setattr(StageRunner, "backward_weight", weight_action)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_zero_bubble_stages_split_their_compiled_backward_into_i_and_w_and_equal_eager(monkeypatch) -> None:
+    watch = _WeightGradWatch(monkeypatch)
+    worst, pipe, _ = compiled_against_eager("zb-h1", torch.float64, False, p=0.0)
+    assert worst < 1e-9, worst
+    runners = [r for program in pipe._programs.values() for r in program.runners.values()]
+    assert all(r.compiled.split and "weight_grads" not in r.extra_inputs for r in runners)
+    # every weight gradient of the compiled stages came from a compiled W, in a "W" action
+    assert watch.added > 0 and watch.outside_w == 0, (watch.added, watch.outside_w)
+    assert "backward split into I and W" in pipe.summary()
+
+
+def test_a_backward_graph_partitions_into_input_and_weight_gradients() -> None:
+    # the backward AOTAutograd derives for x -> tanh(x @ w1) @ w2: I computes grad x only,
+    # W the two weight gradients from what I hands it; together they equal the whole
+    captured: list = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs) -> Callable:
+        def run(args: list) -> list:
+            captured.append((gm, list(args)))
+            return gm(*args)
+
+        run._boxed_call = True
+        return run
+
+    w1, w2 = torch.randn(4, 4, dtype=torch.float64, requires_grad=True), torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    f = aot_function(lambda x, w1, w2: torch.tanh(x @ w1) @ w2, fw_compiler=lambda gm, _: gm, bw_compiler=keep)
+    f(x, w1, w2).sum().backward()
+    (backward, real), = captured
+    whole = backward(*real)
+    parts = split_backward.partition(backward, [False, True, True])
+    first = parts.input_grads(*real)
+    second = parts.weight_grads(*([real[k] for k in parts.from_inputs] + list(first[1:])))
+    torch.testing.assert_close(first[0], whole[0])
+    torch.testing.assert_close(list(second), list(whole[1:]))
+    assert parts.carried >= 1  # the gradient of tanh's output, which I computes and W reads
+
+    def mms(gm: torch.fx.GraphModule) -> int:
+        return sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)
+
+    assert (mms(parts.input_grads), mms(parts.weight_grads)) == (2, 2), (parts.input_grads.code, parts.weight_grads.code)
 
 
 @pytest.mark.parametrize(
