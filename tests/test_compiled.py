@@ -205,9 +205,13 @@ GRID = [
 @pytest.mark.compile_grid
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule, dtype, checkpoint", GRID, ids=[f"{s}-{str(d)[6:]}-ckpt{c}" for s, d, c in GRID])
-def test_compiled_stages_equal_eager(schedule: str, dtype: torch.dtype, checkpoint: bool) -> None:
+def test_compiled_stages_equal_eager(monkeypatch, schedule: str, dtype: torch.dtype, checkpoint: bool) -> None:
+    watch = _WeightGradWatch(monkeypatch)
     worst, pipe, (x, t) = compiled_against_eager(schedule, dtype, checkpoint)
     assert worst < (1e-9 if dtype == torch.float64 else 1e-5), worst
+    runners = [r for program in pipe._programs.values() for r in program.runners.values()]
+    if any(r.split_backward for r in runners):  # zero bubble: weight gradients from compiled Ws only
+        assert all(r.compiled.split for r in runners) and watch.added > 0 and watch.outside_w == 0, (watch.added, watch.outside_w)
     graphs = _graphs(pipe)
     _step(pipe, x, t)
     assert _graphs(pipe) == graphs
