@@ -106,14 +106,15 @@ def _backend(options: dict[str, Any]) -> Callable:
 def _inductor(wrapper: Any, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """Inductor as ``wrapper`` (what ``torch.compile`` builds for the options) runs it, each
     backward graph compiled by :func:`_inner`: counted, and split for a zero-bubble stage.
-    AOTAutograd's cache is left out for those: a cached backward would not be split."""
+    For those AOTAutograd's cache is left out (a cached backward would not be split), and
+    so are donated buffers: I would reuse the memory of saved activations W reads later."""
     # as torch.compile does: Inductor loads when it is used
     from torch._inductor.compile_fx import compile_fx
 
     stage = getattr(_CALLING, "stage", None)
     inner = functools.partial(_inner, stage, _parameter_names(stage, example_inputs))
-    cache = functorch_config.patch(enable_autograd_cache=False) if stage is not None and stage.split else contextlib.nullcontext()
-    with cache:
+    split = stage is not None and stage.split
+    with functorch_config.patch(enable_autograd_cache=False, donated_buffer=False) if split else contextlib.nullcontext():
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=wrapper.config)
 
 

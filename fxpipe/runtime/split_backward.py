@@ -83,7 +83,9 @@ def partition(backward: fx.GraphModule, weights: Sequence[bool]) -> BackwardPart
     for node in graph.nodes:
         if node.op == "placeholder" or node in needed_by_i and node.op != "output":
             env[node] = first.node_copy(node, env.__getitem__)
-    _output(first, [env.get(g, g) for g, w in zip(grads, weights) if not w] + [env[n] for n in carried])
+    input_grads = [env.get(g, g) for g, w in zip(grads, weights) if not w]
+    # the carried values keep the layout the graph recorded, which W was compiled for
+    _output(first, input_grads + [env[n] for n in carried], visible=range(len(input_grads), len(input_grads) + len(carried)))
 
     second, env = fx.Graph(), {}
     for node in [n for n in read if n.op == "placeholder"] + carried:
@@ -97,9 +99,11 @@ def partition(backward: fx.GraphModule, weights: Sequence[bool]) -> BackwardPart
     return BackwardParts(fx.GraphModule(backward, first), fx.GraphModule(backward, second), from_inputs, len(carried))
 
 
-def _output(graph: fx.Graph, values: list[Any]) -> None:
+def _output(graph: fx.Graph, values: list[Any], visible: range = range(0)) -> None:
+    """The graph's output; ``visible``: the outputs Inductor must return with the strides
+    the graph recorded (none, as Inductor's backward compiler marks its graph)."""
     node = graph.output(tuple(values))
-    node.meta["user_visible_output_idxs"] = []  # as Inductor's backward compiler marks its graph
+    node.meta["user_visible_output_idxs"] = list(visible)
     graph.lint()
 
 
