@@ -231,6 +231,15 @@ class Plan:
         if not (isinstance(self.offload, bool) or self.offload == "auto"):
             raise PlanError(f"plan.offload = {self.offload!r}: use False, True or 'auto'")
 
+    @property
+    def compiles_backward(self) -> bool:
+        """Whether compiled stages hold their backward graph (Inductor, the default backend):
+        a zero-bubble schedule then splits that graph into I and W, where eager stages (and
+        other backends) defer the weight gradients op by op."""
+        if self.compile is True:
+            return True
+        return isinstance(self.compile, Mapping) and self.compile.get("backend", "inductor") == "inductor"
+
     def _check_compile(self) -> None:
         """``compile``: a bool, or a dict of ``torch.compile`` keyword options (copied)."""
         if isinstance(self.compile, bool):

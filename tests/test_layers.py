@@ -107,7 +107,7 @@ PIPELINES = ("fxpipe.factory", "fxpipe.runtime", "fxpipe.distributed")
 STAGE_RUNTIME = (
     "fxpipe.runtime.runner", "fxpipe.runtime.context", "fxpipe.runtime.memory", "fxpipe.runtime.offload",
     "fxpipe.runtime.recompute", "fxpipe.runtime.finite", "fxpipe.runtime.streams", "fxpipe.runtime.placement",
-    "fxpipe.runtime.compiled",
+    "fxpipe.runtime.compiled", "fxpipe.runtime.split_backward",
 )
 LOCAL_RUNTIME = ("fxpipe.runtime.local_pipeline", "fxpipe.runtime.local")
 DISTRIBUTED_RUNTIME = ("fxpipe.distributed",)

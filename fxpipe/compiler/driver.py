@@ -349,7 +349,10 @@ def _cut(
         roles = []
         if make_randomness_explicit(module):
             roles.append("rng_seed")
-        if split_backward and defer_weight_gradients(module):
+        # a stage compiled with Inductor splits its compiled backward graph instead (a
+        # selectively recomputed one runs eager: docs/compiled.md)
+        per_op = not plan.compiles_backward or recompute[s] == "selective"
+        if split_backward and per_op and defer_weight_gradients(module):
             roles.append("weight_grads")
         stages.append(
             Stage(
@@ -361,6 +364,7 @@ def _cut(
                 buffers_written=written,
                 recompute=recompute[s],
                 offload=offload[s],
+                split_backward=split_backward,
             )
         )
     last = [n for n in gm.graph.nodes if n.meta.get(STAGE) == assignment.num_stages - 1]

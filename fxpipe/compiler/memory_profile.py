@@ -128,7 +128,7 @@ def _backward(runner: StageRunner, out: list, ctx: StepContext) -> MicrobatchMem
     memory.peak = memory.live
     grads = [[torch.zeros_like(t) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in pytree.tree_leaves(v)] for v in out]
     try:
-        if "weight_grads" in runner.extra_inputs:
+        if runner.split_backward:
             runner.backward_input(0, grads, ctx)
             weight, backward = memory.live, memory.peak
             runner.backward_weight(0, ctx)

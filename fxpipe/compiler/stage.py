@@ -24,8 +24,11 @@ class Stage:
     ``extra_inputs`` (the roles of the trailing arguments compiler passes added: "rng_seed",
     "weight_grads") and ``buffers_written`` (buffers its forward updates in place, by name:
     a checkpoint recompute restores them); ``recompute`` (what it keeps for backward:
-    False, True or "selective", as ``Plan.checkpoint`` resolves for it) and ``offload``
-    (its saved tensors go to host memory between forward and backward).
+    False, True or "selective", as ``Plan.checkpoint`` resolves for it), ``offload``
+    (its saved tensors go to host memory between forward and backward) and
+    ``split_backward`` (the schedule runs its backward as "I" and "W": its graph defers the
+    weight gradients op by op when it has the "weight_grads" role, a compiled stage splits
+    its compiled backward graph).
     """
 
     index: int
@@ -43,6 +46,7 @@ class Stage:
     buffers_written: tuple[str, ...] = ()
     recompute: bool | str = False
     offload: bool = False
+    split_backward: bool = False
 
     @property
     def num_nodes(self) -> int:

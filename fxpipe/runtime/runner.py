@@ -70,7 +70,9 @@ class StageRunner:
     backward) or "selective" (keep the costly ops' outputs, recompute the rest); offload:
     where saved activations wait for the backward in host memory (CUDA stages);
     compiled: the module under ``torch.compile`` (``Plan(compile=...)``), called instead
-    of it.
+    of it; split_backward: the schedule runs the backward as "I" and "W" (the weight
+    gradients wait in a store: the graph's own "weight_grads" argument when it defers them
+    op by op, the compiled stage's when it splits its compiled backward graph).
     """
 
     index: int
@@ -89,6 +91,7 @@ class StageRunner:
     edge_names: dict[int, str] = field(default_factory=dict)
     offload: Offload | None = None
     compiled: CompiledStage | None = None
+    split_backward: bool = False
     # per output leaf, whether its memory may go once sent (learnt in a measured step)
     _releasable: list[bool] | None = field(default=None, init=False, repr=False)
 
@@ -98,7 +101,7 @@ class StageRunner:
         recompute = ctx.train and bool(self.checkpoint)
         args = [move(v, self.device, detach=False) for v in model_inputs]
         args += [move(v, self.device, detach=ctx.train) for v in received]
-        store: list | None = [] if "weight_grads" in self.extra_inputs else None
+        store: list | None = [] if self.split_backward else None
         args += self._extras(i, ctx, store)
         selective = SelectiveRecompute() if recompute and self.checkpoint == "selective" else None
         memory = self.memory_of(ctx)
@@ -146,7 +149,7 @@ class StageRunner:
     def backward(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> list[Grads]:
         """"B": backpropagate micro-batch ``i`` through the stage, given the gradients of its
         outputs (one list per send edge); return the gradients of its received inputs."""
-        input_grads, store = self._backprop(i, output_grads, ctx)
+        input_grads, store = self._backprop(i, output_grads, ctx, defer=False)
         for work in store or ():
             work()
         return input_grads
@@ -154,7 +157,7 @@ class StageRunner:
     def backward_input(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> list[Grads]:
         """"I": like ``backward``, but the weight gradients of the ops that can defer them
         wait for ``backward_weight``; only what those need is kept until then."""
-        input_grads, store = self._backprop(i, output_grads, ctx)
+        input_grads, store = self._backprop(i, output_grads, ctx, defer=True)
         ctx.deferred[(self.index, i)] = store or []
         memory = self.memory_of(ctx)
         if memory is not None:
@@ -169,7 +172,7 @@ class StageRunner:
         if memory is not None:
             memory.release(("W", i))
 
-    def _backprop(self, i: int, output_grads: Sequence[Grads], ctx: StepContext) -> tuple[list[Grads], list | None]:
+    def _backprop(self, i: int, output_grads: Sequence[Grads], ctx: StepContext, defer: bool) -> tuple[list[Grads], list | None]:
         args, out, store, selective = ctx.saved.pop((self.index, i))
         memory = self.memory_of(ctx)
         if memory is not None:
@@ -199,7 +202,10 @@ class StageRunner:
                         tensors.append(t)
                         grads.append(g if g.device == t.device else g.to(t.device, non_blocking=True))
         if tensors:
-            torch.autograd.backward(tensors, grads if any(g is not None for g in grads) else None)
+            # a compiled split backward leaves its W in the store under "I" ("B": runs it)
+            deferring = self.compiled.deferring(store if defer else None) if self.compiled is not None else contextlib.nullcontext()
+            with deferring:
+                torch.autograd.backward(tensors, grads if any(g is not None for g in grads) else None)
         if self.is_last and i in ctx.losses:
             ctx.losses[i] = ctx.losses[i].detach()
         received = args[self.num_model_inputs : len(args) - len(self.extra_inputs)]
@@ -309,7 +315,8 @@ def make_runner(stage: Any, module: nn.Module, device: torch.device, num_stages:
         offload=Offload(device) if stage.offload else None,
         # torch.compile refuses the recomputation selective checkpointing replays (it
         # finds the cached tensors mutated): such a stage runs eager, as summary() says
-        compiled=CompiledStage(stage.index, module, options) if options is not None and stage.recompute != "selective" else None,
+        compiled=CompiledStage(stage.index, module, options, split=stage.split_backward and plan.compiles_backward) if options is not None and stage.recompute != "selective" else None,
+        split_backward=stage.split_backward,
     )
 
 
