@@ -140,4 +140,4 @@ def test_a_split_backward_frees_the_micro_batchs_tensors(frontend: str) -> None:
     before = tensors()
     for _ in range(3):
         step()
-    assert tensors() == before
+    assert tensors() <= before  # a leak grows it (an earlier test's objects may still go)
