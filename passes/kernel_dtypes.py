@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _SAME_DTYPE_OPS = {
@@ -43,7 +44,11 @@ class KernelDtypes(TorchDispatchMode):
         self.record = record
         self.refused: KernelDtypeError | None = None
 
+    supports_higher_order_operators = True  # cond, while_loop, ...: passed on, their branches unchecked
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         refusal = refused(func.overloadpacket, args)
         if refusal is not None:
             if not self.record:
