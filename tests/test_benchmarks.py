@@ -22,6 +22,7 @@ def run(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_zero_bubble_benchmark_runs_fxpipe_and_tdp_schedules_and_prints_the_ratios(tmp_path) -> None:
     out = run("zero_bubble.py", "--quick")
@@ -69,6 +70,7 @@ def test_signatures_benchmark_compares_a_cached_signature_with_a_fresh_compile()
     assert "i64[*, 16]" in out and "i64[*, 32]" in out, out  # both signatures held
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_memory_benchmark_prints_predicted_against_measured_the_cap_and_the_v_ratios() -> None:
     out = run("memory.py", "--quick")
@@ -80,6 +82,7 @@ def test_memory_benchmark_prints_predicted_against_measured_the_cap_and_the_v_ra
     assert re.search(r"v-half/1f1b 0\.\d{3}x \(goal <= 0.55x\), v-min/1f1b 0\.\d{3}x", out), out
 
 
+@pytest.mark.slow
 def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) -> None:
     plot = tmp_path / "depth.png"
     out = run("compile.py", "--quick", "--parts", "depth", "--plot", str(plot))
@@ -92,6 +95,7 @@ def test_compile_depth_sweep_prints_both_tools_the_goals_and_the_plot(tmp_path) 
     assert [int(p[0]) for p in phases] == [4, 8, 16], out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_varlen_benchmark_prints_the_equal_length_ratio_the_padding_speed_up_and_the_shape_costs() -> None:
     out = run("varlen.py", "--quick")
@@ -102,6 +106,7 @@ def test_varlen_benchmark_prints_the_equal_length_ratio_the_padding_speed_up_and
     assert re.search(r"edge shapes: derive \d+\.\d+ ms per new signature, look up \d+ µs per step, exchange \d+ µs per step", out), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_data_parallel_benchmark_prints_sharded_bytes_under_the_goal_and_every_variants_step_time() -> None:
     out = run("data_parallel.py", "--quick")

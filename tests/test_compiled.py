@@ -287,7 +287,7 @@ def _results(out: str) -> list[tuple[str, str, str, str, float]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["wrapped", "in_place", "model"])
+@pytest.mark.parametrize("how", ["wrapped", pytest.param("in_place", marks=pytest.mark.slow), "model"])
 def test_user_compiled_blocks_trace_through_under_their_own_names(tmp_path, how: str) -> None:
     run = subprocess.run([sys.executable, _user_script(tmp_path), how], capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"

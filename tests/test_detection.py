@@ -111,6 +111,7 @@ def test_micro_batches_of_a_list_are_sub_lists_one_step_each() -> None:
     assert_grads_match(pipe, ref, rtol=1e-7, atol=1e-9)  # accumulated over both, as eager
 
 
+@pytest.mark.slow
 def test_other_image_sizes_and_counts_trace_again_and_equal_eager() -> None:
     """A new input signature (another image size or count) retraces: the anchor generator's
     anchors (plain tensors in a list) are shared with the fake copy, and the check for

@@ -75,6 +75,7 @@ def test_model_parallel_sweep_writes_bar_chart_and_sweep_plot(tmp_path):
     assert (tmp_path / "model-parallel-sweep.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_data_parallel_two_stages_two_replicas_match_eager():
     # a fresh interpreter: fxpipe.distributed.launch starts one forkserver per process,
     # and its children must import this example by name

@@ -154,6 +154,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from Linux's /proc")
 def test_a_thousand_failing_steps_leave_memory_and_threads_flat() -> None:
     x, t = torch.randn(8, 16), torch.randint(0, 3, (8,))

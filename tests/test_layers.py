@@ -181,6 +181,7 @@ def test_importing_fxpipe_loads_no_distributed_module() -> None:
     assert result.stdout.strip() == "[]", result.stdout
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter() -> None:
     # torch (and the other libraries fxpipe imports: Dynamo, networkx, sympy) is imported
     # once, then each module is imported in a fork that has loaded no fxpipe module yet: a

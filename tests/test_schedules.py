@@ -165,9 +165,10 @@ def test_interleaved_places_stage_s_on_worker_s_mod_p():
     assert stage_workers(interleaved_1f1b(2, 4, 3)) == [0, 1, 0, 1, 0, 1]
 
 
-def test_interleaved_accepts_every_microbatch_count_on_a_grid():
+@pytest.mark.parametrize("worker_counts", [range(1, 6), pytest.param(range(6, 9), marks=pytest.mark.slow)], ids=["1-5", "6-8"])
+def test_interleaved_accepts_every_microbatch_count_on_a_grid(worker_counts):
     """The documented claim: any m >= 1 works, not only multiples of the worker count."""
-    for workers in range(1, 9):
+    for workers in worker_counts:
         for chunks in range(1, 5):
             for microbatches in range(1, 3 * workers + 2):
                 actions = interleaved_1f1b(workers, microbatches, chunks)
@@ -253,7 +254,7 @@ def test_zb_v_has_the_least_possible_bubble_for_every_m_from_2p_to_64(workers):
         assert timeline.step_time == 6 * microbatches + workers - 1, microbatches
 
 
-@pytest.mark.parametrize("workers", range(1, 9))
+@pytest.mark.parametrize("workers", [w if w in (1, 2, 4) else pytest.param(w, marks=pytest.mark.slow) for w in range(1, 9)])
 def test_zb_v_holds_at_most_1f1b_peak_in_half_stages(workers):
     for microbatches in range(1, 33):
         held = unit_timeline(zb_v(workers, microbatches), 2 * workers).peak_in_flight("worker")

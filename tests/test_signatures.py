@@ -83,6 +83,7 @@ def test_anchors_reproduce_the_auto_split_of_the_same_trace() -> None:
     assert {n.name: n.meta[STAGE] for n in graph.nodes} == chosen
 
 
+@pytest.mark.slow
 def test_auto_boundaries_stay_put_across_sequence_lengths() -> None:
     model = Stack().double()
     ref = copy.deepcopy(model)

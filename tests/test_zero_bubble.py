@@ -172,6 +172,7 @@ def test_zero_bubble_and_v_schedules_match_eager_on_two_gloo_ranks() -> None:
             assert loss_err < 1e-12 and grad_err < 1e-10, (case, loss_err, grad_err)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_zero_bubble_and_v_schedules_match_eager_on_four_gloo_ranks_with_checkpoint_and_data_parallelism() -> None:
     cases = [("zb-h1", 1, False, 1), ("zb-h1", 4, True, 1), ("zb-h1", 8, False, 1), ("zb-h1", 2, False, 2)]
