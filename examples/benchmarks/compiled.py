@@ -42,6 +42,7 @@ import copy
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,6 +54,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.distributed import launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_bubble import timed as rank_times  # noqa: E402 - the benchmark beside this file
 
 ZERO_BUBBLE = {  # name: (schedule, Plan.compile)
     "1f1b eager": ("1f1b", False),
@@ -125,19 +129,6 @@ def problem(quick: bool) -> tuple[Decoder, torch.Tensor, torch.Tensor, int]:
     torch.manual_seed(0)
     model = Decoder(vocab, width, depth, seq)
     return model, torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)), 4
-
-
-def rank_times(step: Callable[[], object], steps: int, warmup: int) -> list[float]:
-    """Step times after warm-up, a barrier before each."""
-    times = []
-    for k in range(warmup + steps):
-        dist.barrier()
-        began = time.perf_counter()
-        step()
-        if k >= warmup:
-            times.append(time.perf_counter() - began)
-    dist.barrier()
-    return times
 
 
 def zero_bubble_run(name: str, quick: bool, steps: int, warmup: int) -> dict:
