@@ -372,7 +372,8 @@ def test_compiled_stages_under_bf16_autocast_stay_within_plain_torch_compiles_di
     plan = fxpipe.Plan(devices=["cpu:0", "cpu:1"], split=["blocks.1"], microbatches=4)
 
     def pipelined(compile: bool) -> tuple:
-        pipe = fxpipe.compile(model, plan.replace(compile=compile), example_inputs=(x,), loss_fn=nn.MSELoss())
+        # a copy each: the pipeline's parameters are the model's own, and so are their gradients
+        pipe = fxpipe.compile(copy.deepcopy(model), plan.replace(compile=compile), example_inputs=(x,), loss_fn=nn.MSELoss())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pipe.step(x, target=t)
         return loss.float(), {n: p.grad.clone() for n, p in pipe.named_parameters()}
