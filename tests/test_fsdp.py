@@ -62,14 +62,19 @@ def data(n: int = 10, vocab: int = 20, classes: int = 3) -> tuple[torch.Tensor, 
     return torch.randint(0, vocab, (n, 5), generator=generator), torch.randint(0, classes, (n,), generator=generator)
 
 
-def two_steps_against_eager(name: str, plan: dict) -> dict:
-    """Two SGD steps of the pipeline and of eager on the same batch: each step's loss
-    error, the second step's largest (gathered) gradient error, and what this rank holds."""
+def _pipeline_and_eager(name: str, plan: dict) -> tuple:
+    """Model ``name`` compiled under ``plan``, its batch, and an eager copy with its SGD."""
     model = model_of(name)
     ids, t = data(vocab=11 if name == "tied" else 20, classes=11 if name == "tied" else 3)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
+    return model, ids, t, ref, ref_opt, fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
+
+
+def two_steps_against_eager(name: str, plan: dict) -> dict:
+    """Two SGD steps of the pipeline and of eager on the same batch: each step's loss
+    error, the second step's largest (gathered) gradient error, and what this rank holds."""
+    model, ids, t, ref, ref_opt, pipe = _pipeline_and_eager(name, plan)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     loss_errors = []
     for _ in range(2):
@@ -338,11 +343,7 @@ def optimizer_on_the_model(name: str, plan: dict, steps: int = 3) -> dict:
     """SGD on ``model.parameters()`` (built after compiling, as with FSDP2's fully_shard)
     against eager: each step's loss error; whether the model now holds the pipeline's
     sharded parameters (and which of its names lead to them)."""
-    model = model_of(name)
-    ids, t = data(vocab=11 if name == "tied" else 20, classes=11 if name == "tied" else 3)
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    pipe = fxpipe.compile(model, plan, example_inputs=(ids,), loss_fn=CE)
+    model, ids, t, ref, ref_opt, pipe = _pipeline_and_eager(name, plan)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     errors = []
     for _ in range(steps):
