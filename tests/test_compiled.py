@@ -83,15 +83,28 @@ def _graphs(pipe) -> list[int]:
     return [r.compiled.graphs for program in pipe._programs.values() for r in program.runners.values() if r.compiled is not None]
 
 
-@pytest.mark.timeout(600)
-def test_compiled_1f1b_stages_equal_eager_in_float64_with_recompute_and_dropout_and_do_not_recompile() -> None:
+def _mixed_recompute_1f1b() -> tuple:
     # stage 0 recomputes (its forward compiled twice: without and with autograd), stage 1 keeps
     worst, pipe, (x, t) = compiled_against_eager("1f1b", torch.float64, [True, False], p=0.1)
     assert worst < 1e-9, worst
     graphs = _graphs(pipe)
     assert all(g >= 1 for g in graphs), graphs
+    return pipe, graphs, x, t
+
+
+# make test-compile: a second step compiled one more graph in 1 of 4 full make test runs of
+# this session (never alone), a flake not yet understood; the grid checks it for every schedule
+@pytest.mark.compile_grid
+@pytest.mark.timeout(600)
+def test_compiled_1f1b_stages_with_recompute_and_dropout_do_not_recompile() -> None:
+    pipe, graphs, x, t = _mixed_recompute_1f1b()
     _step(pipe, x, t)
     assert _graphs(pipe) == graphs  # a second step compiles nothing
+
+
+@pytest.mark.timeout(600)
+def test_compiled_1f1b_stages_equal_eager_in_float64_with_recompute_and_dropout() -> None:
+    pipe, _, _, _ = _mixed_recompute_1f1b()
     summary = pipe.summary()
     assert re.search(r"stage 0: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
     assert re.search(r"stage 1: \d+ graph\(s\) compiled in \d+\.\d s", summary), summary
